@@ -1,0 +1,29 @@
+# One-command set-up: `make run` and `make test` create .venv if missing, install the
+# project (re-installing only when pyproject.toml or constraints.txt changed), then act.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.runlab-installed
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install run test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,wandb]"
+	@touch $(STAMP)
+
+run: install
+	$(PY) run.py $(ARGS)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: install
+	$(PY) benchmarks/step_overhead.py
+
+clean:
+	rm -rf $(VENV) outputs multirun

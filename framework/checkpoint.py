@@ -1,0 +1,190 @@
+"""Checkpoints: one plain dict per file, written atomically, read back without unpickling code.
+
+A checkpoint holds the unwrapped model's weights, the optimizer and scheduler, the loop
+position, every RNG state and the resolved config with the model's constructor call, so
+``load_model`` rebuilds the network from the file alone.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from framework.model import build_model
+
+log = logging.getLogger(__name__)
+
+FORMAT = "runlab-checkpoint"
+VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupt or not ours; the message is one sentence."""
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Write to a temp file beside ``path``, then rename: a crash mid-write leaves the old file intact."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def save_checkpoint(state: Dict[str, Any], path: Path) -> None:
+    atomic_write(Path(path), lambda tmp: torch.save({"format": FORMAT, "version": VERSION, **state}, tmp))
+
+
+def resolve_checkpoint_path(path: str | Path) -> Path:
+    """A checkpoint file, or a run dir (its best checkpoint, else its last)."""
+    path = Path(path)
+    if path.is_dir():
+        for name in ("best.pt", "last.pt"):
+            if (path / "checkpoints" / name).is_file():
+                return path / "checkpoints" / name
+        raise CheckpointError(f"{path} is a directory without checkpoints/best.pt or checkpoints/last.pt.")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist.")
+    return path
+
+
+def load_checkpoint(path: str | Path) -> Dict[str, Any]:
+    """Load with ``weights_only=True``: a checkpoint is untrusted input and must never run code."""
+    path = resolve_checkpoint_path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(f"{path} was refused: it holds pickled objects other than tensors and plain data, "
+                              "so it is not a runlab checkpoint and was not executed.") from None
+    except Exception as error:
+        raise CheckpointError(f"{path} is corrupt or truncated and cannot be read ({type(error).__name__}).") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a runlab checkpoint (it lacks the runlab format marker).")
+    return state
+
+
+def load_model(path: str | Path, device: str = "cpu") -> nn.Module:
+    """Rebuild a trained model from a checkpoint alone, in eval mode: the way to share a run."""
+    state = load_checkpoint(path)
+    model = build_model(state["model_spec"])
+    model.load_state_dict(state["model"])
+    return model.to(device).eval()
+
+
+# --- RNG state -------------------------------------------------------------------------
+
+def rng_state() -> Dict[str, Any]:
+    """Every RNG the run draws from, as tensors and plain lists (weights_only-loadable)."""
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    py_version, py_internal, py_gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [np_kind, torch.from_numpy(np_keys.astype(np.int64)), np_pos, np_has_gauss, np_gauss],
+        "python": [py_version, list(py_internal), py_gauss],
+    }
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
+    np.random.set_state((np_kind, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
+    py_version, py_internal, py_gauss = state["python"]
+    random.setstate((py_version, tuple(py_internal), py_gauss))
+
+
+# --- policy ----------------------------------------------------------------------------
+
+class MetricTracker:
+    """Remembers the best value of one metric and says whether a new value improves on it."""
+
+    def __init__(self, monitor: str, mode: str, min_delta: float = 0.0):
+        self.monitor, self.mode, self.min_delta = monitor, mode, min_delta
+        self.best: Optional[float] = None
+
+    def improved(self, metrics: Dict[str, float]) -> bool:
+        value = metrics[self.monitor]
+        better = self.best is None or (
+            value > self.best + self.min_delta if self.mode == "max" else value < self.best - self.min_delta)
+        if better:
+            self.best = value
+        return better
+
+
+class Checkpointer:
+    """Writes ``last.pt`` after every epoch and ``best.pt`` when the monitored metric improves."""
+
+    def __init__(self, directory: Path, monitor: str, mode: str, enabled: bool, is_writer: bool):
+        self.directory, self.enabled, self.is_writer = Path(directory), enabled, is_writer
+        self.tracker = MetricTracker(monitor, mode)
+
+    @property
+    def last(self) -> Path:
+        return self.directory / "last.pt"
+
+    @property
+    def best(self) -> Path:
+        return self.directory / "best.pt"
+
+    def maybe_save(self, state: Callable[[], Dict[str, Any]], metrics: Dict[str, float]) -> None:
+        # Every rank tracks the best value so all agree on it; only the writer touches disk.
+        improved = self.tracker.improved(metrics)
+        if not (self.enabled and self.is_writer):
+            return
+        save_checkpoint(state(), self.last)
+        if improved:
+            atomic_write(self.best, lambda tmp: shutil.copyfile(self.last, tmp))
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"best": self.tracker.best}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.tracker.best = state["best"]
+
+
+class EarlyStopping:
+    """Stops training after ``patience`` epochs without an improvement of ``min_delta``."""
+
+    def __init__(self, monitor: str, mode: str, patience: int, min_delta: float, enabled: bool):
+        self.tracker, self.patience, self.enabled = MetricTracker(monitor, mode, min_delta), patience, enabled
+        self.bad_epochs = 0
+
+    def update(self, metrics: Dict[str, float]) -> bool:
+        """Record one epoch's metrics; True when training should stop."""
+        self.bad_epochs = 0 if self.tracker.improved(metrics) else self.bad_epochs + 1
+        return self.enabled and self.bad_epochs >= self.patience
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"best": self.tracker.best, "bad_epochs": self.bad_epochs}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.tracker.best, self.bad_epochs = state["best"], state["bad_epochs"]
+
+
+def find_latest_checkpoint(search_dir: Path, exclude: Path) -> Optional[Path]:
+    """The most recently written last.pt under ``search_dir`` outside the current run (resume=auto)."""
+    candidates = [p for p in Path(search_dir).glob("**/checkpoints/last.pt") if exclude not in p.parents]
+    return max(candidates, key=lambda p: p.stat().st_mtime, default=None)

@@ -1,0 +1,212 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+Each group under conf/ extends its schema here (``defaults: [schema/<group>]``), so a typo
+in a key or a value of the wrong type is refused by Hydra while composing, and
+``validate`` rejects values that type-check but cannot work, before any work starts.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work. The message is one sentence meant for the user."""
+
+
+@dataclass
+class DataConfig:
+    # digits: scikit-learn's bundled 8x8 digits; synthetic: generated; csv / tensors: the user's file.
+    source: str = "digits"
+    batch_size: int = MISSING  # the global batch per optimizer step; conf/data takes ${batch_size}
+    path: str = ""  # the csv, .pt or .npz file for source=csv|tensors
+    label_column: str = "label"  # csv: the column holding integer class labels
+    features_key: str = "x"  # .pt/.npz: the tensor of inputs
+    labels_key: str = "y"  # .pt/.npz: the tensor of integer labels
+    classes: List[int] = field(default_factory=list)  # keep only these labels (relabelled 0..k-1)
+    val_fraction: float = 0.15
+    test_fraction: float = 0.15
+    split_seed: int = 0  # fixed, so every run and every trial of a sweep sees the same split
+    normalize: bool = True
+    # synthetic only
+    num_samples: int = 4096
+    input_shape: List[int] = field(default_factory=lambda: [32])
+    num_classes: int = 10
+    class_sep: float = 1.0
+    noise: float = 1.0
+    # auto: keep the whole set on the device and batch by indexing when it fits in
+    # device_cache_mb (always on CPU); memory / dataloader force one path.
+    loader: str = "auto"
+    device_cache_mb: int = 1024
+    num_workers: int = 0
+    eval_batch_size: int = 1024
+
+
+@dataclass
+class TrainerConfig:
+    max_epochs: int = 30
+    max_steps: int = -1  # -1: no step limit
+    accumulate_grad_batches: int = 1  # micro-batches per optimizer step; batch_size stays the effective batch
+    gradient_clip_val: float = 0.0  # 0: no clipping
+    precision: str = "32"  # 32 | bf16 | fp16 (fp16 needs CUDA)
+    log_every_n_steps: int = 10
+    progress_bar: bool = True  # shown only when stderr is a terminal
+    deterministic: bool = False
+    test_after_fit: bool = True  # evaluate the best checkpoint on the test split
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = True
+    monitor: str = "val/acc"
+    mode: str = "max"
+
+
+@dataclass
+class EarlyStoppingConfig:
+    enabled: bool = True
+    monitor: str = "val/acc"
+    mode: str = "max"
+    patience: int = 8
+    min_delta: float = 0.0
+
+
+@dataclass
+class ParallelConfig:
+    mode: str = "none"
+    world_size: int = 1
+    backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
+    devices: List[str] = field(default_factory=list)
+    microbatches: int = 1
+    timeout_s: int = 300
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "tensorboard"  # tensorboard | csv | wandb | none
+    log_graph: bool = True
+    histogram_every_n_epochs: int = 5  # 0: never
+    log_images: bool = True
+    wandb_project: str = "runlab"
+    wandb_mode: str = "offline"  # offline needs no account and no network
+
+
+@dataclass
+class PathsConfig:
+    root_dir: str = "${hydra:runtime.cwd}"
+    output_dir: str = "${paths.root_dir}/outputs"
+
+
+@dataclass
+class RunConfig:
+    task: str = "train"
+    name: str = "${task}"  # names the output folder; experiments set their own
+    seed: int = 42
+    lr: float = 1e-3
+    batch_size: int = 64
+    device: str = "auto"  # auto: cuda if available, else cpu
+    optimized_metric: str = "val/acc"  # what run.py returns to a sweeper
+    resume: str = ""  # "" | auto | path to a checkpoint
+    ckpt: str = ""  # the checkpoint for task=eval|export
+    data: DataConfig = field(default_factory=DataConfig)
+    model: Any = MISSING
+    optimizer: Any = MISSING
+    scheduler: Any = None
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    search: Any = None
+    experiment: Any = None
+
+
+def register_configs() -> None:
+    store = ConfigStore.instance()
+    store.store(name="runlab_schema", node=RunConfig)
+
+
+register_configs()
+
+TASKS = ("train",)
+DATA_SOURCES = ("digits", "synthetic", "csv", "tensors")
+LOADERS = ("auto", "memory", "dataloader")
+PRECISIONS = ("32", "bf16", "fp16")
+LOGGERS = ("tensorboard", "csv", "wandb", "none")
+MODES = ("min", "max")
+# Metrics every training run produces; best/<m> mirrors the checkpoint monitor.
+RUN_METRICS = ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(key: str, value: Any, allowed: tuple) -> None:
+    _require(value in allowed, f"{key}={value!r} is not allowed; choose one of {', '.join(map(str, allowed))}.")
+
+
+def _importable(key: str, target: str) -> None:
+    module_name, _, attr = target.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+        getattr(module, attr)
+    except (ImportError, AttributeError, ValueError):
+        raise ConfigError(f"{key}={target!r} cannot be imported; give a full dotted path to a class or function.") from None
+
+
+def known_metrics(cfg: DictConfig) -> tuple:
+    return RUN_METRICS + (f"best/{cfg.checkpoint.monitor}",)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Reject values that type-check but cannot work, naming the key, the value and what is allowed."""
+    _one_of("task", cfg.task, TASKS)
+    _require(cfg.lr > 0, f"lr={cfg.lr} is invalid; the learning rate must be a positive number.")
+    _require(cfg.batch_size >= 1, f"batch_size={cfg.batch_size} is invalid; it must be a positive integer.")
+    _validate_data(cfg.data)
+    _validate_trainer(cfg.trainer)
+    _one_of("logger.name", cfg.logger.name, LOGGERS)
+    for group in ("checkpoint", "early_stopping"):
+        _one_of(f"{group}.mode", cfg[group].mode, MODES)
+        _one_of(f"{group}.monitor", cfg[group].monitor, RUN_METRICS)
+    _require(cfg.early_stopping.patience >= 1, f"early_stopping.patience={cfg.early_stopping.patience} is invalid; it must be at least 1.")
+    _one_of("optimized_metric", cfg.optimized_metric, known_metrics(cfg))
+    for group in ("model", "optimizer"):
+        _require(isinstance(cfg[group], DictConfig) and "_target_" in cfg[group], f"{group} has no _target_; pick one with {group}=NAME.")
+        _importable(f"{group}._target_", cfg[group]._target_)
+    if cfg.scheduler is not None:
+        _one_of("scheduler.interval", cfg.scheduler.interval, ("epoch", "step"))
+        _importable("scheduler.build._target_", cfg.scheduler.build._target_)
+    _require(cfg.resume in ("", "auto") or Path(cfg.resume).is_file(), f"resume={cfg.resume!r} is neither 'auto' nor an existing checkpoint file.")
+
+
+def _validate_data(data: DictConfig) -> None:
+    _one_of("data.source", data.source, DATA_SOURCES)
+    _one_of("data.loader", data.loader, LOADERS)
+    if data.source in ("csv", "tensors"):
+        _require(bool(data.path), f"data.path is empty; data.source={data.source} needs the path of your file.")
+        _require(Path(data.path).is_file(), f"data.path={data.path!r} does not exist.")
+    fractions = data.val_fraction + data.test_fraction
+    _require(0 < data.val_fraction and 0 <= data.test_fraction and fractions < 1,
+             f"data.val_fraction={data.val_fraction} and data.test_fraction={data.test_fraction} are invalid; "
+             "val must be above 0 and both together below 1.")
+    _require(data.eval_batch_size >= 1, f"data.eval_batch_size={data.eval_batch_size} is invalid; it must be a positive integer.")
+
+
+def _validate_trainer(trainer: DictConfig) -> None:
+    _one_of("trainer.precision", str(trainer.precision), PRECISIONS)
+    _require(trainer.max_epochs >= 1, f"trainer.max_epochs={trainer.max_epochs} is invalid; it must be at least 1.")
+    _require(trainer.max_steps == -1 or trainer.max_steps >= 1,
+             f"trainer.max_steps={trainer.max_steps} is invalid; use -1 (no limit) or a positive integer.")
+    _require(trainer.accumulate_grad_batches >= 1,
+             f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches} is invalid; it must be at least 1.")
+    _require(trainer.gradient_clip_val >= 0, f"trainer.gradient_clip_val={trainer.gradient_clip_val} is invalid; use 0 (off) or a positive norm.")
+    _require(trainer.log_every_n_steps >= 1, f"trainer.log_every_n_steps={trainer.log_every_n_steps} is invalid; it must be at least 1.")

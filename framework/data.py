@@ -1,0 +1,286 @@
+"""Data sources (conf/data/): scikit-learn's bundled digits, synthetic classification data,
+and the user's own CSV or tensor file; plus the batch iterators the trainer consumes.
+
+Every source ends as in-memory tensors split train/val/test with a fixed seed. Batches are
+cut by indexing those tensors directly (no per-sample ``__getitem__`` and collate) unless
+the set is too large to keep on the device, in which case a ``DataLoader`` streams it.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Dataset
+
+from framework.config import ConfigError
+
+Batch = Tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Split:
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+@dataclass
+class DataBundle:
+    train: Split
+    val: Split
+    test: Split
+    input_shape: Tuple[int, ...]
+    num_classes: int
+
+    @property
+    def is_image(self) -> bool:
+        return len(self.input_shape) == 3
+
+    def split(self, name: str) -> Split:
+        return getattr(self, name)
+
+
+# --- sources -----------------------------------------------------------------------------
+
+def load_digits_arrays() -> Tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled digits as (N, 1, 8, 8) float32 pixels in 0..16 and int64 labels.
+
+    Reads the CSV that ships inside scikit-learn instead of importing sklearn.datasets, which
+    would pull in scipy and add about a second to every run's start-up.
+    """
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("data.source=digits needs scikit-learn, which is not installed; pip install scikit-learn.")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+    table = np.loadtxt(path, delimiter=",", dtype=np.float32)
+    return table[:, :-1].reshape(-1, 1, 8, 8), table[:, -1].astype(np.int64)
+
+
+def make_synthetic(cfg: DictConfig, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Gaussian clusters around random class centroids, in any input shape (vectors or images)."""
+    rng = np.random.default_rng(seed)
+    dim = int(np.prod(cfg.input_shape))
+    centroids = rng.standard_normal((cfg.num_classes, dim)).astype(np.float32) * cfg.class_sep
+    y = rng.integers(0, cfg.num_classes, cfg.num_samples)
+    x = centroids[y] + cfg.noise * rng.standard_normal((cfg.num_samples, dim)).astype(np.float32)
+    return x.reshape(cfg.num_samples, *cfg.input_shape), y.astype(np.int64)
+
+
+def load_csv(path: str, label_column: str) -> Tuple[np.ndarray, np.ndarray]:
+    with open(path, newline="") as handle:
+        rows = list(csv.reader(handle))
+    if not rows:
+        raise ConfigError(f"data.path={path!r} is an empty CSV file.")
+    header, body = rows[0], rows[1:]
+    if label_column not in header:
+        raise ConfigError(f"data.label_column={label_column!r} is not a column of data.path={path!r}; "
+                          f"its columns are: {', '.join(header)}.")
+    label_at = header.index(label_column)
+    try:
+        x = np.array([[float(v) for i, v in enumerate(row) if i != label_at] for row in body], dtype=np.float32)
+    except ValueError as error:
+        raise ConfigError(f"data.path={path!r} has a non-numeric feature value ({error}); features must be numbers.") from None
+    _, y = np.unique([row[label_at] for row in body], return_inverse=True)
+    return x, y.astype(np.int64)
+
+
+def load_tensor_file(path: str, features_key: str, labels_key: str) -> Tuple[np.ndarray, np.ndarray]:
+    if path.endswith(".npz"):
+        with np.load(path, allow_pickle=False) as arrays:
+            contents = {k: arrays[k] for k in arrays.files}
+    else:
+        try:
+            contents = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise ConfigError(f"data.path={path!r} is not a readable tensor file ({type(error).__name__}).") from None
+    if not isinstance(contents, dict):
+        raise ConfigError(f"data.path={path!r} must hold a dict of tensors with keys {features_key!r} and {labels_key!r}.")
+    for key in (features_key, labels_key):
+        if key not in contents:
+            raise ConfigError(f"data.path={path!r} has no tensor {key!r}; it holds {', '.join(map(str, contents))}.")
+    x, y = (np.asarray(contents[k]) for k in (features_key, labels_key))
+    _, y = np.unique(y, return_inverse=True)
+    return x.astype(np.float32), y.astype(np.int64)
+
+
+def _read_source(cfg: DictConfig, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+    if cfg.source == "digits":
+        return load_digits_arrays()
+    if cfg.source == "synthetic":
+        return make_synthetic(cfg, seed)
+    if cfg.source == "csv":
+        return load_csv(cfg.path, cfg.label_column)
+    return load_tensor_file(cfg.path, cfg.features_key, cfg.labels_key)
+
+
+# --- preparation -------------------------------------------------------------------------
+
+def keep_classes(x: np.ndarray, y: np.ndarray, classes: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+    """Keep only the listed labels and renumber them 0..k-1 in the listed order."""
+    mask = np.isin(y, classes)
+    relabel = {c: i for i, c in enumerate(classes)}
+    return x[mask], np.array([relabel[c] for c in y[mask]], dtype=np.int64)
+
+
+def split_indices(n: int, val_fraction: float, test_fraction: float, seed: int) -> Tuple[np.ndarray, ...]:
+    order = np.random.default_rng(seed).permutation(n)
+    n_val, n_test = round(n * val_fraction), round(n * test_fraction)
+    return order[n_val + n_test:], order[:n_val], order[n_val:n_val + n_test]
+
+
+def standardize(train: np.ndarray, *others: np.ndarray) -> List[np.ndarray]:
+    """Zero mean, unit variance from the train split alone: one scalar for images, per feature otherwise."""
+    axis = None if train.ndim == 4 else 0
+    mean, std = train.mean(axis=axis), train.std(axis=axis)
+    std = np.where(std < 1e-8, 1.0, std).astype(np.float32)
+    return [((a - mean) / std).astype(np.float32) for a in (train, *others)]
+
+
+def build_data(cfg: DictConfig, seed: int) -> DataBundle:
+    x, y = _read_source(cfg, seed)
+    if cfg.classes:
+        x, y = keep_classes(x, y, list(cfg.classes))
+    if len(y) < 3:
+        raise ConfigError(f"data.source={cfg.source} yielded {len(y)} samples; at least 3 are needed to split train/val/test.")
+    train_i, val_i, test_i = split_indices(len(y), cfg.val_fraction, cfg.test_fraction, cfg.split_seed)
+    parts = [x[train_i], x[val_i], x[test_i]]
+    if cfg.normalize:
+        parts = standardize(*parts)
+    splits = [Split(torch.from_numpy(np.ascontiguousarray(p)), torch.from_numpy(y[i])) for p, i in zip(parts, (train_i, val_i, test_i))]
+    num_classes = len(cfg.classes) if cfg.classes else int(y.max()) + 1
+    return DataBundle(*splits, input_shape=tuple(x.shape[1:]), num_classes=num_classes)
+
+
+# --- batching ----------------------------------------------------------------------------
+
+class BatchPlan:
+    """Which sample indices make up each batch, for one rank, in one epoch.
+
+    Training batches hold ``batch_size`` samples globally (the last incomplete one is
+    dropped, so every optimizer step sees the same number of samples); each of
+    ``world_size`` ranks takes its contiguous slice of every global batch. The order is a
+    permutation seeded by ``seed + epoch``, so it does not depend on any RNG state and a
+    resumed run replays exactly the batches an uninterrupted one would.
+    """
+
+    def __init__(self, n: int, batch_size: int, *, shuffle: bool, seed: int = 0, rank: int = 0, world_size: int = 1):
+        if shuffle and batch_size > n:
+            raise ConfigError(f"batch_size={batch_size} is larger than the {n} training samples; lower it.")
+        if batch_size % world_size:
+            raise ConfigError(f"batch_size={batch_size} does not divide among {world_size} processes; "
+                              f"use a multiple of {world_size}.")
+        self.n, self.batch_size, self.shuffle, self.seed = n, batch_size, shuffle, seed
+        self.rank, self.world_size, self.epoch = rank, world_size, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n // self.batch_size if self.shuffle else math.ceil(self.n / self.batch_size)
+
+    def order(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.n)
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.n, generator=generator)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        order = self.order()
+        if not self.shuffle:  # evaluation: each rank takes a strided shard of the whole set
+            yield from order[self.rank::self.world_size].split(self.batch_size)
+            return
+        per_rank = self.batch_size // self.world_size
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            offset = start + self.rank * per_rank
+            yield order[offset:offset + per_rank]
+
+
+class InMemoryBatches:
+    """The fast path: the split lives on the device and a batch is one index operation."""
+
+    on_device = True
+
+    def __init__(self, split: Split, plan: BatchPlan, device: torch.device):
+        self.x, self.y, self.plan, self.device = split.x.to(device), split.y.to(device), plan, device
+
+    def set_epoch(self, epoch: int) -> None:
+        self.plan.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for index in self.plan:
+            index = index.to(self.device)
+            yield self.x[index], self.y[index]
+
+
+class _BatchedTensors(Dataset):
+    """Hands a DataLoader whole batches by indexing, so no per-sample collate runs."""
+
+    def __init__(self, split: Split):
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitems__(self, indices: List[int]) -> Batch:
+        index = torch.as_tensor(indices)
+        return self.split.x[index], self.split.y[index]
+
+
+def _already_batched(batch: Batch) -> Batch:
+    return batch
+
+
+class StreamedBatches:
+    """The DataLoader path for sets too large to keep on the device; same batches, same order."""
+
+    on_device = False
+
+    def __init__(self, split: Split, plan: BatchPlan, device: torch.device, num_workers: int):
+        self.plan = plan
+        self.loader = DataLoader(_BatchedTensors(split), batch_sampler=plan, collate_fn=_already_batched,
+                                 num_workers=num_workers, pin_memory=device.type == "cuda",
+                                 persistent_workers=num_workers > 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.plan.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return iter(self.loader)
+
+
+def fits_on_device(split: Split, device: torch.device, budget_mb: int) -> bool:
+    size_mb = (split.x.numel() * split.x.element_size() + split.y.numel() * 8) / 2**20
+    return device.type == "cpu" or size_mb <= budget_mb
+
+
+def make_batches(split: Split, cfg: DictConfig, plan: BatchPlan, device: torch.device):
+    use_memory = cfg.loader == "memory" or (cfg.loader == "auto" and fits_on_device(split, device, cfg.device_cache_mb))
+    if use_memory:
+        return InMemoryBatches(split, plan, device)
+    return StreamedBatches(split, plan, device, cfg.num_workers)
+
+
+def train_batches(bundle: DataBundle, cfg: DictConfig, device: torch.device, seed: int, rank: int = 0, world_size: int = 1):
+    plan = BatchPlan(len(bundle.train), cfg.batch_size, shuffle=True, seed=seed, rank=rank, world_size=world_size)
+    return make_batches(bundle.train, cfg, plan, device)
+
+
+def eval_batches(split: Split, cfg: DictConfig, device: torch.device, rank: int = 0, world_size: int = 1,
+                 batch_size: Optional[int] = None):
+    plan = BatchPlan(len(split), batch_size or cfg.eval_batch_size, shuffle=False, rank=rank, world_size=world_size)
+    return make_batches(split, cfg, plan, device)

@@ -1,0 +1,137 @@
+"""Shipped models (conf/model/) and how any model is built from config.
+
+Models are plain ``nn.Sequential`` subclasses of named stages: they know nothing about
+devices or processes (parallel.py wraps them), and a pipeline can split them by stage.
+Each names its output layer in ``head_name`` so fine-tuning can replace it by name.
+"""
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+from hydra.utils import get_object, instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+
+def _dense_block(width_in: int, width_out: int, dropout: float, batch_norm: bool) -> nn.Sequential:
+    layers: List[nn.Module] = [nn.Linear(width_in, width_out)]
+    if batch_norm:
+        layers.append(nn.BatchNorm1d(width_out))
+    layers.append(nn.ReLU())
+    if dropout > 0:
+        layers.append(nn.Dropout(dropout))
+    return nn.Sequential(*layers)
+
+
+class MLP(nn.Sequential):
+    head_name = "head"
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, width: int = 256, depth: int = 2,
+                 dropout: float = 0.0, batch_norm: bool = False):
+        stages: "OrderedDict[str, nn.Module]" = OrderedDict(flatten=nn.Flatten())
+        width_in = int(torch.tensor(input_shape).prod())
+        for i in range(depth):
+            stages[f"block{i}"] = _dense_block(width_in, width, dropout, batch_norm)
+            width_in = width
+        stages["head"] = nn.Linear(width_in, num_classes)
+        super().__init__(stages)
+
+
+def _conv_block(channels_in: int, channels_out: int, batch_norm: bool) -> nn.Sequential:
+    layers: List[nn.Module] = [nn.Conv2d(channels_in, channels_out, 3, padding=1, bias=not batch_norm)]
+    if batch_norm:
+        layers.append(nn.BatchNorm2d(channels_out))
+    layers += [nn.ReLU(), nn.MaxPool2d(2)]
+    return nn.Sequential(*layers)
+
+
+class CNN(nn.Sequential):
+    """Conv-ReLU-pool blocks, then a dense layer: sized for 8x8 digits up to 28x28 images."""
+
+    head_name = "head"
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, channels: Sequence[int] = (32, 64),
+                 width: int = 128, dropout: float = 0.0, batch_norm: bool = False):
+        channels_in, height, width_px = input_shape
+        stages: "OrderedDict[str, nn.Module]" = OrderedDict()
+        for i, channels_out in enumerate(channels):
+            stages[f"conv{i}"] = _conv_block(channels_in, channels_out, batch_norm)
+            channels_in, height, width_px = channels_out, height // 2, width_px // 2
+        if height < 1 or width_px < 1:
+            raise ValueError(f"model.channels has {len(channels)} pooling blocks, too many for a {tuple(input_shape)} input.")
+        stages["flatten"] = nn.Flatten()
+        stages["dense"] = _dense_block(channels_in * height * width_px, width, dropout, batch_norm=False)
+        stages["head"] = nn.Linear(width, num_classes)
+        super().__init__(stages)
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels_in: int, channels_out: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels_in, channels_out, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels_out)
+        self.conv2 = nn.Conv2d(channels_out, channels_out, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels_out)
+        self.shortcut = nn.Identity()
+        if stride != 1 or channels_in != channels_out:
+            self.shortcut = nn.Sequential(nn.Conv2d(channels_in, channels_out, 1, stride=stride, bias=False),
+                                          nn.BatchNorm2d(channels_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class ResNet(nn.Sequential):
+    """A small ResNet: a stem, then stages of residual blocks that halve the resolution."""
+
+    head_name = "head"
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, width: int = 32, stages: int = 2,
+                 blocks_per_stage: int = 1):
+        channels_in = input_shape[0]
+        layers: "OrderedDict[str, nn.Module]" = OrderedDict(
+            stem=nn.Sequential(nn.Conv2d(channels_in, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()))
+        channels = width
+        for stage in range(stages):
+            channels_out = width * 2 ** stage
+            for block in range(blocks_per_stage):
+                stride = 2 if stage > 0 and block == 0 else 1
+                layers[f"stage{stage}_block{block}"] = ResidualBlock(channels, channels_out, stride)
+                channels = channels_out
+        layers["pool"] = nn.AdaptiveAvgPool2d(1)
+        layers["flatten"] = nn.Flatten()
+        layers["head"] = nn.Linear(channels, num_classes)
+        super().__init__(layers)
+
+
+def shape_kwargs(target: Any, input_shape: Tuple[int, ...], num_classes: int) -> Dict[str, Any]:
+    """The data-derived arguments the model's constructor accepts (a user's model may take neither)."""
+    parameters = inspect.signature(target).parameters
+    offered = {"input_shape": list(input_shape), "num_classes": num_classes}
+    return {k: v for k, v in offered.items() if k in parameters}
+
+
+def model_spec(model_cfg: DictConfig, input_shape: Tuple[int, ...], num_classes: int) -> Dict[str, Any]:
+    """The full constructor call as a plain dict: saved in checkpoints so a model rebuilds from them alone."""
+    spec = OmegaConf.to_container(model_cfg, resolve=True)
+    for key, value in shape_kwargs(get_object(spec["_target_"]), input_shape, num_classes).items():
+        spec.setdefault(key, value)
+    return spec
+
+
+def build_model(spec: Dict[str, Any]) -> nn.Module:
+    model = instantiate(spec, _convert_="all")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model._target_={spec['_target_']!r} built a {type(model).__name__}, not a torch.nn.Module.")
+    return model
+
+
+def count_parameters(model: nn.Module) -> Tuple[int, int]:
+    """(trainable, frozen) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return trainable, frozen

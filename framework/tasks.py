@@ -1,0 +1,23 @@
+"""What ``run.py`` does, chosen by the top-level ``task`` key."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable, Dict
+
+from omegaconf import DictConfig
+
+from framework import parallel
+from framework.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+Metrics = Dict[str, float]
+
+
+def train(cfg: DictConfig, run_dir: Path) -> Metrics:
+    env = parallel.setup(cfg)
+    return Trainer(cfg, run_dir, env).fit()
+
+
+TASKS: Dict[str, Callable[[DictConfig, Path], Metrics]] = {"train": train}

@@ -1,0 +1,299 @@
+"""The training loop (conf/trainer/).
+
+``Trainer.fit`` reads top to bottom: epochs of optimizer steps, a validation pass, then the
+components (scheduler, early stopping, checkpointer, logger) each decide what to do with
+the epoch's metrics. Everything device- or process-specific goes through ``Environment``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from framework.checkpoint import (Checkpointer, EarlyStopping, find_latest_checkpoint, load_checkpoint, rng_state,
+                                  set_rng_state)
+from framework.config import ConfigError
+from framework.data import build_data, eval_batches, train_batches
+from framework.logger import build_logger
+from framework.model import build_model, count_parameters, model_spec
+from framework.optimizer import build_optimizer
+from framework.parallel import Environment, unwrap
+from framework.progress import ProgressBar
+from framework.scheduler import build_scheduler
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+
+class Precision:
+    """Autocast and, for fp16, gradient scaling; a no-op at 32-bit."""
+
+    def __init__(self, precision: str, device: torch.device):
+        if precision == "fp16" and device.type != "cuda":
+            raise ConfigError(f"trainer.precision=fp16 needs a CUDA device, but this run is on {device.type}; use bf16 or 32.")
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        self.device_type = device.type
+        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+    def autocast(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig, run_dir: Path, env: Environment):
+        self.cfg, self.run_dir, self.env = cfg, Path(run_dir), env
+        seed_everything(cfg.seed, cfg.trainer.deterministic)
+        self.data = build_data(cfg.data, cfg.seed)
+        self.spec = model_spec(cfg.model, self.data.input_shape, self.data.num_classes)
+        self.model = env.wrap(build_model(self.spec))
+        self.optimizer = build_optimizer(cfg.optimizer, self.model)
+        self.scheduler = build_scheduler(cfg.scheduler, self.optimizer)
+        self.precision = Precision(str(cfg.trainer.precision), env.device)
+        self.train_batches = train_batches(self.data, cfg.data, env.device, cfg.seed, env.rank, env.world_size)
+        self.val_batches = eval_batches(self.data.val, cfg.data, env.device, env.rank, env.world_size)
+        self.micro_batch = self._initial_micro_batch()
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.monitor, cfg.checkpoint.mode,
+                                         cfg.checkpoint.enabled, env.is_main)
+        self.early_stopping = EarlyStopping(**cfg.early_stopping)
+        self.logger = build_logger(cfg.logger, self.run_dir, env.is_main, OmegaConf.to_container(cfg, resolve=True))
+        self.epoch, self.step, self.batch_in_epoch = 0, 0, 0
+        self.stop_reason = ""
+        self._maybe_resume()
+
+    # --- set-up helpers ----------------------------------------------------------------
+
+    def _initial_micro_batch(self) -> int:
+        per_rank = self.cfg.batch_size // self.env.world_size
+        accumulate = self.cfg.trainer.accumulate_grad_batches
+        if per_rank % accumulate:
+            raise ConfigError(f"trainer.accumulate_grad_batches={accumulate} does not divide the per-process batch "
+                              f"of {per_rank}; pick a divisor of it.")
+        return per_rank // accumulate
+
+    def _maybe_resume(self) -> None:
+        source = self.cfg.resume
+        if source == "auto":
+            found = find_latest_checkpoint(Path(self.cfg.paths.output_dir) / self.cfg.name, exclude=self.run_dir)
+            if found is None:
+                log.info("resume=auto: no earlier checkpoint of %r found; starting fresh.", self.cfg.name)
+                return
+            source = str(found)
+        if source:
+            self.load_state(load_checkpoint(source))
+            log.info("Resumed from %s at epoch %d, step %d.", source, self.epoch, self.step)
+
+    @property
+    def max_steps(self) -> int:
+        steps_per_epoch = len(self.train_batches)
+        by_epochs = self.cfg.trainer.max_epochs * steps_per_epoch
+        return by_epochs if self.cfg.trainer.max_steps == -1 else min(by_epochs, self.cfg.trainer.max_steps)
+
+    # --- state -------------------------------------------------------------------------
+
+    def state(self) -> Dict[str, Any]:
+        return {
+            "model": unwrap(self.model).state_dict(),
+            "model_spec": self.spec,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.precision.scaler.state_dict(),
+            "epoch": self.epoch,
+            "step": self.step,
+            "batch_in_epoch": self.batch_in_epoch,
+            "micro_batch": self.micro_batch,
+            "checkpointer": self.checkpointer.state_dict(),
+            "early_stopping": self.early_stopping.state_dict(),
+            "rng": rng_state(),
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+        }
+
+    def load_state(self, state: Dict[str, Any]) -> None:
+        unwrap(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.precision.scaler.load_state_dict(state["scaler"])
+        self.epoch, self.step, self.batch_in_epoch = state["epoch"], state["step"], state["batch_in_epoch"]
+        self.micro_batch = state["micro_batch"]
+        self.checkpointer.load_state_dict(state["checkpointer"])
+        self.early_stopping.load_state_dict(state["early_stopping"])
+        set_rng_state(state["rng"])
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def fit(self) -> Dict[str, float]:
+        trainable, frozen = count_parameters(self.model)
+        log.info("Model %s: %s trainable, %s frozen parameters; %d train / %d val samples.",
+                 self.spec["_target_"], f"{trainable:,}", f"{frozen:,}", len(self.data.train), len(self.data.val))
+        self.logger.log_graph(unwrap(self.model), self.data.val.x[:2].to(self.env.device))
+        progress = ProgressBar(self.max_steps, self.cfg.trainer.progress_bar and self.env.is_main, initial=self.step)
+        metrics: Dict[str, float] = {}
+        started, steps_at_start = time.perf_counter(), self.step
+        try:
+            while self.epoch < self.cfg.trainer.max_epochs and not self.stop_reason:
+                train_loss = self.train_epoch(progress)
+                metrics = self.end_epoch(train_loss, progress)
+        finally:
+            progress.close()
+        train_seconds = time.perf_counter() - started
+        return self.finish(metrics, train_seconds, self.step - steps_at_start)
+
+    def train_epoch(self, progress: ProgressBar) -> float:
+        """One pass over the training batches; returns the mean training loss."""
+        self.model.train()
+        self.train_batches.set_epoch(self.epoch)
+        # Losses are summed as a detached tensor: no graph is kept alive across steps and
+        # the host syncs only when a value is logged, not on every step.
+        loss_sum = torch.zeros((), device=self.env.output_device)
+        steps, window_start, window_time = 0, 0, time.perf_counter()
+        log_every = self.cfg.trainer.log_every_n_steps
+        for index, (x, y) in enumerate(self.train_batches):
+            if index < self.batch_in_epoch:  # a resumed run skips the batches it already trained on
+                continue
+            if not self.train_batches.on_device:
+                x, y = x.to(self.env.device, non_blocking=True), y.to(self.env.output_device, non_blocking=True)
+            loss_sum += self.train_step(x, y)
+            self.step, self.batch_in_epoch, steps = self.step + 1, index + 1, steps + 1
+            progress.advance()
+            if self.step % log_every == 0:
+                window_time = self.log_train_window(loss_sum, steps, window_start, window_time, progress)
+                window_start = steps
+            if self.step >= self.max_steps:
+                self.stop_reason = f"reached max_steps={self.max_steps}"
+                break
+        return loss_sum.item() / max(steps, 1)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One optimizer step over a batch, in micro-batches; returns the batch's mean loss (detached)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        batch_loss = torch.zeros((), device=self.env.output_device)
+        micro_x, micro_y = x.split(self.micro_batch), y.split(self.micro_batch)
+        last = len(micro_y) - 1
+        for i, (xs, ys) in enumerate(zip(micro_x, micro_y)):
+            # Gradients are synchronised across processes once, on the last micro-batch.
+            with self.env.no_sync(self.model) if i < last else contextlib.nullcontext():
+                with self.precision.autocast():
+                    loss = F.cross_entropy(self.model(xs), ys)
+                # Weight each micro-batch by its share, so the gradient equals the full batch's.
+                share = len(ys) / len(y)
+                self.precision.scaler.scale(loss * share).backward()
+            batch_loss += loss.detach() * share
+        clip = self.cfg.trainer.gradient_clip_val
+        if clip:
+            self.precision.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.precision.scaler.step(self.optimizer)
+        self.precision.scaler.update()
+        self.scheduler.after_step()
+        return batch_loss
+
+    def log_train_window(self, loss_sum: torch.Tensor, steps: int, window_start: int, window_time: float,
+                         progress: ProgressBar) -> float:
+        now = time.perf_counter()
+        samples = (steps - window_start) * self.cfg.batch_size
+        values = {"train/loss_running": loss_sum.item() / steps, "train/samples_per_second": samples / (now - window_time),
+                  "lr": self.optimizer.param_groups[0]["lr"]}
+        self.logger.log_metrics(values, self.step)
+        progress.show({"loss": values["train/loss_running"], "samples/s": values["train/samples_per_second"]})
+        return now
+
+    @torch.inference_mode()
+    def evaluate(self, batches) -> Dict[str, float]:
+        """Mean loss and accuracy over a split, summed across processes; no graph is built."""
+        self.model.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=self.env.output_device)  # loss sum, correct, count
+        for x, y in batches:
+            if not batches.on_device:
+                x, y = x.to(self.env.device), y.to(self.env.output_device)
+            with self.precision.autocast():
+                logits = self.model(x)
+            totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
+            totals[1] += (logits.argmax(1) == y).sum()
+            totals[2] += len(y)
+        loss_sum, correct, count = self.env.all_reduce_sum(totals).tolist()
+        return {"loss": loss_sum / count, "acc": correct / count}
+
+    def end_epoch(self, train_loss: float, progress: ProgressBar) -> Dict[str, float]:
+        val = self.evaluate(self.val_batches)
+        finished_epoch = self.batch_in_epoch >= len(self.train_batches)
+        if finished_epoch:
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+            self.scheduler.after_epoch()
+        metrics = {"train/loss": train_loss, "val/loss": val["loss"], "val/acc": val["acc"], "epoch": self.epoch}
+        self.logger.log_metrics(metrics, self.step)
+        self.logger.log_histograms(unwrap(self.model), self.epoch - 1)
+        if self.early_stopping.update(metrics) and not self.stop_reason:
+            self.stop_reason = f"early stopping: {self.early_stopping.tracker.monitor} did not improve for {self.early_stopping.patience} epochs"
+        self.checkpointer.maybe_save(self.state, metrics)
+        progress.show({"val_acc": val["acc"], "val_loss": val["loss"]})
+        log.info("epoch %d  step %d  train/loss %.4f  val/loss %.4f  val/acc %.4f",
+                 self.epoch, self.step, train_loss, val["loss"], val["acc"])
+        return metrics
+
+    def finish(self, metrics: Dict[str, float], train_seconds: float, steps_run: int) -> Dict[str, float]:
+        """Test the best weights, write metrics.json and the run's hparams, close the logger."""
+        if self.stop_reason:
+            log.info("Stopped: %s.", self.stop_reason)
+        monitor = self.checkpointer.tracker.monitor
+        final = {**metrics, "step": self.step, f"best/{monitor}": self.checkpointer.tracker.best,
+                 "train_seconds": train_seconds,
+                 "samples_per_second": steps_run * self.cfg.batch_size / train_seconds if train_seconds else 0.0}
+        final.update(self.test_best())
+        self.log_sample_predictions()
+        self.logger.log_hparams(self.hparams(), {k: v for k, v in final.items() if "/" in k})
+        self.logger.close()
+        if self.env.is_main:
+            (self.run_dir / "metrics.json").write_text(json.dumps(final, indent=2, allow_nan=True) + "\n")
+        return final
+
+    def test_best(self) -> Dict[str, float]:
+        if not self.cfg.trainer.test_after_fit or not len(self.data.test):
+            return {}
+        if self.checkpointer.best.is_file():
+            # The checkpoint of the best epoch, not the last weights, is what a user would ship.
+            unwrap(self.model).load_state_dict(load_checkpoint(self.checkpointer.best)["model"])
+        test = self.evaluate(eval_batches(self.data.test, self.cfg.data, self.env.device, self.env.rank, self.env.world_size))
+        return {"test/loss": test["loss"], "test/acc": test["acc"]}
+
+    def log_sample_predictions(self) -> None:
+        if not self.data.is_image:
+            return
+        with torch.inference_mode():
+            images, labels = self.data.val.x[:16], self.data.val.y[:16]
+            predictions = self.model(images.to(self.env.device)).argmax(1).cpu()
+        self.logger.log_predictions(images, labels, predictions, self.epoch)
+
+    def hparams(self) -> Dict[str, Any]:
+        flat = {"lr": self.cfg.lr, "batch_size": self.cfg.batch_size, "seed": self.cfg.seed,
+                "model": self.spec["_target_"].rsplit(".", 1)[-1], "optimizer": self.cfg.optimizer._target_.rsplit(".", 1)[-1]}
+        for key, value in self.spec.items():
+            if isinstance(value, (int, float, str, bool)) and not key.startswith("_"):
+                flat[f"model.{key}"] = value
+        return flat
+
+
+def metric_value(metrics: Dict[str, float], name: str) -> float:
+    if name not in metrics:
+        raise ConfigError(f"optimized_metric={name!r} was not produced by this run; it produced {', '.join(sorted(metrics))}.")
+    value = metrics[name]
+    return float("nan") if value is None else float(value)
