@@ -78,12 +78,14 @@ class EarlyStoppingConfig:
 
 @dataclass
 class ParallelConfig:
-    mode: str = "none"
-    world_size: int = 1
-    backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
-    devices: List[str] = field(default_factory=list)
-    microbatches: int = 1
-    timeout_s: int = 300
+    mode: str = "none"  # none | dp | ddp | model
+    world_size: int = 1  # ddp: processes; 0: one per GPU, or 2 on CPU (torchrun's count wins)
+    backend: str = "auto"  # ddp: auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    devices: List[str] = field(default_factory=list)  # dp: GPUs; model: one per stage; []: every visible GPU
+    microbatches: int = 1  # model: micro-batches per batch in the pipeline
+    split: List[int] = field(default_factory=list)  # model: cut points between stages; []: balance by parameters
+    sync_batchnorm: bool = False  # ddp: BatchNorm statistics over all processes (CUDA only)
+    timeout_s: int = 300  # ddp: a collective waiting longer than this fails instead of hanging
 
 
 @dataclass
@@ -139,6 +141,8 @@ DATA_SOURCES = ("digits", "synthetic", "csv", "tensors")
 LOADERS = ("auto", "memory", "dataloader")
 PRECISIONS = ("32", "bf16", "fp16")
 LOGGERS = ("tensorboard", "csv", "wandb", "none")
+PARALLEL_MODES = ("none", "dp", "ddp", "model")
+BACKENDS = ("auto", "nccl", "gloo")
 MODES = ("min", "max")
 # Metrics every training run produces; best/<m> mirrors the checkpoint monitor.
 RUN_METRICS = ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc")
@@ -173,6 +177,7 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.batch_size >= 1, f"batch_size={cfg.batch_size} is invalid; it must be a positive integer.")
     _validate_data(cfg.data)
     _validate_trainer(cfg.trainer)
+    _validate_parallel(cfg.parallel)
     _one_of("logger.name", cfg.logger.name, LOGGERS)
     for group in ("checkpoint", "early_stopping"):
         _one_of(f"{group}.mode", cfg[group].mode, MODES)
@@ -210,3 +215,15 @@ def _validate_trainer(trainer: DictConfig) -> None:
              f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches} is invalid; it must be at least 1.")
     _require(trainer.gradient_clip_val >= 0, f"trainer.gradient_clip_val={trainer.gradient_clip_val} is invalid; use 0 (off) or a positive norm.")
     _require(trainer.log_every_n_steps >= 1, f"trainer.log_every_n_steps={trainer.log_every_n_steps} is invalid; it must be at least 1.")
+
+
+def _validate_parallel(parallel: DictConfig) -> None:
+    _one_of("parallel.mode", parallel.mode, PARALLEL_MODES)
+    _one_of("parallel.backend", parallel.backend, BACKENDS)
+    _require(parallel.world_size >= 0,
+             f"parallel.world_size={parallel.world_size} is invalid; use 0 (one process per GPU, or 2 on CPU) or a positive count.")
+    _require(parallel.microbatches >= 1, f"parallel.microbatches={parallel.microbatches} is invalid; it must be at least 1.")
+    _require(parallel.timeout_s >= 1, f"parallel.timeout_s={parallel.timeout_s} is invalid; it must be at least 1 second.")
+    cuts = list(parallel.split)
+    _require(all(0 < a < b for a, b in zip(cuts, cuts[1:] + [float("inf")])),
+             f"parallel.split={cuts} is invalid; give increasing positive layer indices where the stages begin.")

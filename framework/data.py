@@ -205,12 +205,16 @@ class BatchPlan:
 
 
 class InMemoryBatches:
-    """The fast path: the split lives on the device and a batch is one index operation."""
+    """The fast path: the split lives on the device and a batch is one index operation.
+
+    The labels live on ``target_device``: where the model's outputs come out, which under
+    model parallelism is the last stage's device rather than the input's.
+    """
 
     on_device = True
 
-    def __init__(self, split: Split, plan: BatchPlan, device: torch.device):
-        self.x, self.y, self.plan, self.device = split.x.to(device), split.y.to(device), plan, device
+    def __init__(self, split: Split, plan: BatchPlan, device: torch.device, target_device: Optional[torch.device] = None):
+        self.x, self.y, self.plan = split.x.to(device), split.y.to(target_device or device), plan
 
     def set_epoch(self, epoch: int) -> None:
         self.plan.set_epoch(epoch)
@@ -220,8 +224,7 @@ class InMemoryBatches:
 
     def __iter__(self) -> Iterator[Batch]:
         for index in self.plan:
-            index = index.to(self.device)
-            yield self.x[index], self.y[index]
+            yield self.x[index.to(self.x.device)], self.y[index.to(self.y.device)]
 
 
 class _BatchedTensors(Dataset):
@@ -268,19 +271,21 @@ def fits_on_device(split: Split, device: torch.device, budget_mb: int) -> bool:
     return device.type == "cpu" or size_mb <= budget_mb
 
 
-def make_batches(split: Split, cfg: DictConfig, plan: BatchPlan, device: torch.device):
+def make_batches(split: Split, cfg: DictConfig, plan: BatchPlan, device: torch.device,
+                 target_device: Optional[torch.device] = None):
     use_memory = cfg.loader == "memory" or (cfg.loader == "auto" and fits_on_device(split, device, cfg.device_cache_mb))
     if use_memory:
-        return InMemoryBatches(split, plan, device)
+        return InMemoryBatches(split, plan, device, target_device)
     return StreamedBatches(split, plan, device, cfg.num_workers)
 
 
-def train_batches(bundle: DataBundle, cfg: DictConfig, device: torch.device, seed: int, rank: int = 0, world_size: int = 1):
+def train_batches(bundle: DataBundle, cfg: DictConfig, device: torch.device, seed: int, rank: int = 0, world_size: int = 1,
+                  target_device: Optional[torch.device] = None):
     plan = BatchPlan(len(bundle.train), cfg.batch_size, shuffle=True, seed=seed, rank=rank, world_size=world_size)
-    return make_batches(bundle.train, cfg, plan, device)
+    return make_batches(bundle.train, cfg, plan, device, target_device)
 
 
 def eval_batches(split: Split, cfg: DictConfig, device: torch.device, rank: int = 0, world_size: int = 1,
-                 batch_size: Optional[int] = None):
+                 batch_size: Optional[int] = None, target_device: Optional[torch.device] = None):
     plan = BatchPlan(len(split), batch_size or cfg.eval_batch_size, shuffle=False, rank=rank, world_size=world_size)
-    return make_batches(split, cfg, plan, device)
+    return make_batches(split, cfg, plan, device, target_device)

@@ -16,7 +16,11 @@ Metrics = Dict[str, float]
 
 
 def train(cfg: DictConfig, run_dir: Path) -> Metrics:
-    env = parallel.setup(cfg)
+    return parallel.launch(fit, cfg, run_dir)
+
+
+def fit(cfg: DictConfig, run_dir: Path, env: parallel.Environment) -> Metrics:
+    """One process's share of a training run (every process of a ddp run calls it)."""
     return Trainer(cfg, run_dir, env).fit()
 
 

@@ -70,8 +70,10 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optimizer, self.model)
         self.scheduler = build_scheduler(cfg.scheduler, self.optimizer)
         self.precision = Precision(str(cfg.trainer.precision), env.device)
-        self.train_batches = train_batches(self.data, cfg.data, env.device, cfg.seed, env.rank, env.world_size)
-        self.val_batches = eval_batches(self.data.val, cfg.data, env.device, env.rank, env.world_size)
+        self.train_batches = train_batches(self.data, cfg.data, env.device, cfg.seed, env.rank, env.world_size,
+                                           target_device=env.output_device)
+        self.val_batches = eval_batches(self.data.val, cfg.data, env.device, env.rank, env.world_size,
+                                        target_device=env.output_device)
         self.micro_batch = self._initial_micro_batch()
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.monitor, cfg.checkpoint.mode,
                                          cfg.checkpoint.enabled, env.is_main)
@@ -181,7 +183,7 @@ class Trainer:
             if self.step >= self.max_steps:
                 self.stop_reason = f"reached max_steps={self.max_steps}"
                 break
-        return loss_sum.item() / max(steps, 1)
+        return self.env.all_reduce_mean(loss_sum).item() / max(steps, 1)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One optimizer step over a batch, in micro-batches; returns the batch's mean loss (detached)."""
@@ -211,7 +213,7 @@ class Trainer:
                          progress: ProgressBar) -> float:
         now = time.perf_counter()
         samples = (steps - window_start) * self.cfg.batch_size
-        values = {"train/loss_running": loss_sum.item() / steps, "train/samples_per_second": samples / (now - window_time),
+        values = {"train/loss_running": self.env.all_reduce_mean(loss_sum).item() / steps, "train/samples_per_second": samples / (now - window_time),
                   "lr": self.optimizer.param_groups[0]["lr"]}
         self.logger.log_metrics(values, self.step)
         progress.show({"loss": values["train/loss_running"], "samples/s": values["train/samples_per_second"]})
@@ -269,10 +271,12 @@ class Trainer:
     def test_best(self) -> Dict[str, float]:
         if not self.cfg.trainer.test_after_fit or not len(self.data.test):
             return {}
+        self.env.barrier()  # rank 0 may still be writing best.pt
         if self.checkpointer.best.is_file():
             # The checkpoint of the best epoch, not the last weights, is what a user would ship.
             unwrap(self.model).load_state_dict(load_checkpoint(self.checkpointer.best)["model"])
-        test = self.evaluate(eval_batches(self.data.test, self.cfg.data, self.env.device, self.env.rank, self.env.world_size))
+        test = self.evaluate(eval_batches(self.data.test, self.cfg.data, self.env.device, self.env.rank, self.env.world_size,
+                                          target_device=self.env.output_device))
         return {"test/loss": test["loss"], "test/acc": test["acc"]}
 
     def log_sample_predictions(self) -> None:

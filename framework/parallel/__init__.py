@@ -1,0 +1,135 @@
+"""Parallelism (conf/parallel/): the one place that knows about devices and processes.
+
+``launch`` runs a task in the processes the mode needs and hands each an ``Environment``:
+where that process runs, how it wraps the model and how it talks to the others. Models and
+the training loop never import ``torch.distributed``.
+
+- none:  one process, one device.
+- dp:    ``nn.DataParallel`` over the visible GPUs (one process; see README for its costs).
+- ddp:   ``DistributedDataParallel``, one process per device (distributed.py).
+- model: the model's stages on several devices, pipelined GPipe-style (pipeline.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, List
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from framework.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} was requested but CUDA is not available here; use device=cpu or device=auto.")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device={name!r} does not exist: this machine has {torch.cuda.device_count()} visible GPUs.")
+    return device
+
+
+@dataclass
+class Environment:
+    """Where this process runs and how it talks to the others (parallel=none: alone)."""
+
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0  # this process logs, shows progress and writes checkpoints
+
+    @property
+    def output_device(self) -> torch.device:
+        """Where the model's outputs, and so the targets and the loss, live."""
+        return self.device
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model.to(self.device)
+
+    def no_sync(self, model: nn.Module):
+        """Context for a micro-batch whose gradients need not be synchronised yet."""
+        return contextlib.nullcontext()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of ``tensor`` over all processes, as a new tensor (the argument is left as is)."""
+        return tensor
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce_sum(tensor) / self.world_size
+
+    def barrier(self) -> None:
+        """Wait until every process got here (e.g. rank 0 finished writing a checkpoint)."""
+
+    def cleanup(self) -> None:
+        """Leave the process group, if any."""
+
+
+@dataclass
+class DataParallelEnvironment(Environment):
+    """parallel=dp: one process replicates the model on every GPU for each forward pass."""
+
+    device_ids: List[int] = field(default_factory=list)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return nn.DataParallel(model.to(self.device), device_ids=self.device_ids)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside any wrapper (DataParallel, DDP, Pipeline, torch.compile)."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None:
+            return model
+        model = inner
+
+
+def data_parallel(cfg: DictConfig) -> Environment:
+    device = resolve_device(cfg.device)
+    ids = [resolve_device(name).index for name in cfg.parallel.devices] if cfg.parallel.devices else \
+        list(range(torch.cuda.device_count()))
+    if device.type != "cuda" or len(ids) < 2:
+        found = f"{len(ids)} GPU(s) are in use" if device.type == "cuda" else f"this run is on {device.type}"
+        log.warning("parallel=dp needs at least 2 GPUs but %s; running the model unwrapped on %s.", found, device)
+        return Environment(device=device)
+    return DataParallelEnvironment(device=torch.device("cuda", ids[0]), device_ids=ids)
+
+
+def setup(cfg: DictConfig) -> Environment:
+    """The environment of a single-process mode (ddp processes get theirs from ``launch``)."""
+    if cfg.parallel.mode == "dp":
+        return data_parallel(cfg)
+    if cfg.parallel.mode == "model":
+        from framework.parallel.pipeline import pipeline_environment
+
+        return pipeline_environment(cfg)
+    return Environment(device=resolve_device(cfg.device))
+
+
+Task = Callable[[DictConfig, Path, Environment], Any]
+
+
+def launch(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
+    """Run ``task(cfg, run_dir, env)`` in every process the mode needs; returns rank 0's result.
+
+    ``task`` must be a module-level function: ddp pickles it into freshly spawned processes.
+    """
+    if cfg.parallel.mode == "ddp":
+        from framework.parallel.distributed import launch_ddp
+
+        return launch_ddp(task, cfg, Path(run_dir))
+    env = setup(cfg)
+    try:
+        return task(cfg, Path(run_dir), env)
+    finally:
+        env.cleanup()

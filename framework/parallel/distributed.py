@@ -1,0 +1,219 @@
+"""parallel=ddp: ``DistributedDataParallel``, one process per device.
+
+Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set) each process
+joins the group torchrun set up. Otherwise ``python run.py parallel=ddp`` spawns
+``parallel.world_size`` processes itself, on a free port per job so that the jobs of a
+multirun never collide; the Hydra job that spawned them gets rank 0's metrics back.
+
+Every rank reads its own slice of each global batch (data.BatchPlan), DDP averages the
+gradients, so a step equals one step of parallel=none on the whole batch. Only rank 0 logs,
+shows progress and writes files; the others log warnings only, prefixed with their rank.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.multiprocessing.spawn import ProcessException
+from torch.nn.parallel import DistributedDataParallel
+
+from framework.checkpoint import CheckpointError
+from framework.config import ConfigError
+from framework.parallel import Environment, Task, resolve_device
+
+log = logging.getLogger(__name__)
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+USER_ERRORS = (ConfigError, CheckpointError)
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+
+
+@dataclass
+class DistributedEnvironment(Environment):
+    sync_batchnorm: bool = False
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if self.sync_batchnorm:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model.to(self.device), device_ids=device_ids)
+
+    def no_sync(self, model: nn.Module):
+        return model.no_sync()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        total = tensor.clone()
+        dist.all_reduce(total)
+        return total
+
+    def barrier(self) -> None:
+        dist.barrier(device_ids=[self.device.index]) if self.device.type == "cuda" else dist.barrier()
+
+    def cleanup(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def under_torchrun() -> bool:
+    return all(name in os.environ for name in TORCHRUN_VARIABLES)
+
+
+def launch_ddp(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
+    if under_torchrun():
+        return join_torchrun(task, cfg, run_dir)
+    return spawn_workers(task, cfg, run_dir)
+
+
+# --- checks ------------------------------------------------------------------------------
+
+def process_count(cfg: DictConfig) -> int:
+    """parallel.world_size, where 0 means one process per GPU (or 2 on CPU); checked against the machine."""
+    on_cuda = resolve_device(cfg.device).type == "cuda"
+    gpus = torch.cuda.device_count() if on_cuda else 0
+    count = cfg.parallel.world_size or gpus or 2
+    if on_cuda and count > gpus:
+        raise ConfigError(f"parallel.world_size={count} is larger than the {gpus} visible GPUs; "
+                          f"use at most {gpus}, or device=cpu to run the processes on the CPU.")
+    check_distributed(cfg, count, on_cuda)
+    return count
+
+
+def check_distributed(cfg: DictConfig, world_size: int, on_cuda: bool) -> None:
+    if cfg.batch_size % world_size:
+        raise ConfigError(f"batch_size={cfg.batch_size} does not divide among {world_size} processes; "
+                          f"use a multiple of {world_size} (batch_size is the global batch).")
+    if cfg.parallel.backend == "nccl" and not on_cuda:
+        raise ConfigError("parallel.backend='nccl' needs CUDA devices but this run is on cpu; use backend=auto or gloo.")
+    if cfg.parallel.sync_batchnorm and not on_cuda:
+        raise ConfigError("parallel.sync_batchnorm=true needs CUDA devices (PyTorch's SyncBatchNorm does not run on cpu); "
+                          "set it to false on this machine.")
+
+
+# --- one process of the group ------------------------------------------------------------
+
+def join_group(cfg: DictConfig, rank: int, world_size: int, local_rank: int) -> DistributedEnvironment:
+    device = resolve_device(cfg.device)
+    if device.type == "cuda":
+        device = resolve_device(f"cuda:{local_rank}")
+        torch.cuda.set_device(device)
+    backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    return DistributedEnvironment(device=device, rank=rank, world_size=world_size,
+                                  sync_batchnorm=cfg.parallel.sync_batchnorm)
+
+
+def log_as_rank(rank: int, log_file: Path) -> None:
+    """Rank 0 logs everything to the console and train.log; the others only warnings, prefixed with their rank."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    prefix = f"[rank {rank}]" if rank else ""
+    formatter = logging.Formatter(prefix + LOG_FORMAT)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    for handler in (logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr), logging.FileHandler(log_file)):
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+# --- torchrun ----------------------------------------------------------------------------
+
+def join_torchrun(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if cfg.parallel.world_size and cfg.parallel.world_size != world_size:
+        log.warning("parallel.world_size=%d is ignored: torchrun started %d processes.", cfg.parallel.world_size, world_size)
+    check_distributed(cfg, world_size, resolve_device(cfg.device).type == "cuda")
+    env = join_group(cfg, rank, world_size, int(os.environ["LOCAL_RANK"]))
+    try:
+        run_dir = adopt_main_run_dir(env, run_dir)
+        return task(cfg, run_dir, env)
+    finally:
+        env.cleanup()
+
+
+def adopt_main_run_dir(env: DistributedEnvironment, own: Path) -> Path:
+    """Every rank uses rank 0's run dir; a dir Hydra made for another rank a second later is removed."""
+    shared = [str(own)]
+    dist.broadcast_object_list(shared, src=0)
+    main = Path(shared[0])
+    if env.rank:
+        log_as_rank(env.rank, main / "train.log")
+        if main != own and own.is_dir() and {p.name for p in own.iterdir()} <= {".hydra", "train.log"}:
+            shutil.rmtree(own)
+    return main
+
+
+# --- spawned by the Hydra job --------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def spawn_workers(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
+    world_size, port = process_count(cfg), free_port()
+    config = OmegaConf.to_container(cfg, resolve=True)
+    context = mp.get_context("spawn")
+    reports = context.SimpleQueue()
+    log.info("parallel=ddp: starting %d processes on 127.0.0.1:%d.", world_size, port)
+    try:
+        mp.start_processes(_worker, args=(world_size, port, config, str(run_dir), task, reports), nprocs=world_size,
+                           join=True, start_method="spawn")
+    except ProcessException as failure:
+        raise worker_failure(reports, failure) from None
+    return next(value for kind, _, value in drain(reports) if kind == "result")
+
+
+def drain(reports) -> list:
+    items = []
+    while not reports.empty():
+        items.append(reports.get())
+    return items
+
+
+def worker_failure(reports, failure: ProcessException) -> Exception:
+    """The first error a worker reported (a user error stays one, for its one-line message)."""
+    errors = [(rank, value) for kind, rank, value in drain(reports) if kind == "error"]
+    if not errors:  # killed by a signal or exited without a Python exception
+        return RuntimeError(f"parallel=ddp: a worker process died: {failure}.")
+    rank, (user_error, trace) = errors[0]
+    if user_error is not None:
+        return user_error
+    return RuntimeError(f"parallel=ddp: process {rank} failed; its error follows.\n{trace}")
+
+
+def _worker(rank: int, world_size: int, port: int, config: dict, run_dir: str, task: Task, reports) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    run_path = Path(run_dir)
+    log_as_rank(rank, run_path / "train.log")
+    cfg = OmegaConf.create(config)
+    OmegaConf.set_struct(cfg, True)
+    if "OMP_NUM_THREADS" not in os.environ:  # the processes share the cores instead of each taking all of them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        env = join_group(cfg, rank, world_size, rank)
+        try:
+            result = task(cfg, run_path, env)
+        finally:
+            env.cleanup()
+    except Exception as error:
+        reports.put(("error", rank, (error if isinstance(error, USER_ERRORS) else None, traceback.format_exc())))
+        raise
+    if rank == 0:
+        reports.put(("result", rank, result))
