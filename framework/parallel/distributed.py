@@ -188,10 +188,10 @@ def drain(reports) -> list:
 
 def worker_failure(reports, failure: ProcessException) -> Exception:
     """The first error a worker reported (a user error stays one, for its one-line message)."""
-    errors = [(rank, value) for kind, rank, value in drain(reports) if kind == "error"]
-    if not errors:  # killed by a signal or exited without a Python exception
+    errors = {rank: value for kind, rank, value in drain(reports) if kind == "error"}  # in the order they failed
+    if failure.error_index not in errors:  # killed by a signal or exited without a Python exception
         return RuntimeError(f"parallel=ddp: a worker process died: {failure}.")
-    rank, (user_error, trace) = errors[0]
+    rank, (user_error, trace) = next(iter(errors.items()))
     if user_error is not None:
         return user_error
     return RuntimeError(f"parallel=ddp: process {rank} failed; its error follows.\n{trace}")

@@ -1,0 +1,244 @@
+"""parallel=none|dp|ddp|model: each mode trains exactly like parallel=none, on CPU.
+
+Equivalence is checked on the shipped MLP (no dropout, no BatchNorm) with the same seed and
+data order: the training loss of every step (the CSV logger at log_every_n_steps=1) and the
+final weights in checkpoints/last.pt. Multi-process tests carry time limits, so a hang fails loudly.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import REPO, SHRINK, read_metrics
+from framework.checkpoint import load_checkpoint
+from framework.config import ConfigError
+from framework.entry import run
+from framework.model import MLP
+from framework.parallel.pipeline import Pipeline, balanced_boundaries, check_boundaries, stage_boundaries
+from parallel_models import TwoBranch
+
+# Two short epochs of 9 steps, every step logged, so losses can be compared step by step.
+EXACT = ["trainer.max_epochs=2", "batch_size=128", "logger.name=csv", "trainer.log_every_n_steps=1"]
+# Lets the subprocesses (and the ddp processes they spawn) import tests/parallel_models.py.
+TESTS_ON_PATH = {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+
+
+def running_losses(run_dir: Path) -> List[float]:
+    """The epoch's running mean training loss after every step, as the CSV logger recorded it.
+
+    Two runs agree here at every step exactly when their per-step losses agree; the means are
+    compared rather than losses recovered from them, which would multiply the float32 rounding
+    of the logged means by the step's position in its epoch.
+    """
+    with open(run_dir / "metrics.csv", newline="") as handle:
+        return [float(row["value"]) for row in csv.DictReader(handle) if row["metric"] == "train/loss_running"]
+
+
+def final_weights(run_dir: Path) -> Dict[str, torch.Tensor]:
+    return load_checkpoint(run_dir / "checkpoints" / "last.pt")["model"]
+
+
+def assert_same_training(run_dir: Path, reference: Path, tolerance: float) -> None:
+    losses, expected = running_losses(run_dir), running_losses(reference)
+    assert len(losses) == len(expected) > 10
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=tolerance)
+    weights, expected_weights = final_weights(run_dir), final_weights(reference)
+    assert list(weights) == list(expected_weights)  # the same keys: no "module." prefix
+    for name in expected_weights:
+        torch.testing.assert_close(weights[name], expected_weights[name], rtol=0, atol=tolerance, msg=name)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The parallel=none run every mode is compared with."""
+    root = tmp_path_factory.mktemp("reference")
+    run([*SHRINK, *EXACT, f"paths.output_dir={root / 'outputs'}"], run_dir=str(root / "run"))
+    return root / "run"
+
+
+def single_run_dir(outputs: Path) -> Path:
+    """The one run dir under outputs/<name>/ (a mode must not leave a second one behind)."""
+    runs = [p for p in outputs.glob("*/*") if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+# --- split and balance arithmetic (no process group) ----------------------------------------
+
+def test_balanced_boundaries_minimise_the_largest_stage():
+    assert balanced_boundaries([1, 4, 4, 1], 2) == [2]
+    # The default MLP on digits: flatten, block0, block1, head.
+    assert balanced_boundaries([0, 16640, 65792, 2570], 2) == [2]
+    assert balanced_boundaries([0, 16640, 65792, 2570], 3) == [2, 3]
+    assert balanced_boundaries([5, 1, 1, 1, 1, 1], 3) == [1, 2]  # ties: the earliest cut points
+    assert balanced_boundaries([3, 3, 3], 3) == [1, 2]
+    assert balanced_boundaries([7], 1) == []
+    with pytest.raises(ValueError):
+        balanced_boundaries([1, 2], 3)
+
+
+def test_explicit_split_is_checked():
+    check_boundaries([1, 3], layers=4, stages=3)
+    for bad in ([1], [3, 1], [0, 2], [1, 4], [2, 2]):
+        with pytest.raises(ConfigError, match="parallel.split"):
+            check_boundaries(bad, layers=4, stages=3)
+
+
+def test_a_model_that_cannot_be_split_is_refused_clearly():
+    with pytest.raises(ConfigError, match="TwoBranch is not one"):
+        stage_boundaries(TwoBranch([8], 3), 2, [])
+    with pytest.raises(ConfigError, match="only 4 top-level layers"):
+        stage_boundaries(MLP([8], 3, width=4), 5, [])
+
+
+def test_pipeline_overlaps_stages_and_matches_the_plain_model():
+    torch.manual_seed(0)
+    model = MLP([8], 3, width=16, depth=2)
+    x = torch.randn(12, 8)
+    expected = model(x)
+    pipeline = Pipeline(model, [torch.device("cpu")] * 2, balanced_boundaries([1, 1, 1, 1], 2), microbatches=3)
+    calls = []
+    for s, stage in enumerate(pipeline.stages):
+        stage.register_forward_hook(lambda _module, _input, _output, s=s: calls.append(s))
+    torch.testing.assert_close(pipeline(x), expected, rtol=0, atol=1e-6)
+    # Tick 1 runs stage 0 on micro-batch 1 and stage 1 on micro-batch 0, and so on (GPipe);
+    # without pipelining it would be 0, 0, 0, 1, 1, 1.
+    assert calls == [0, 0, 1, 0, 1, 1]
+    assert {k for k in pipeline.state_dict()} == {f"module.{k}" for k in model.state_dict()}
+
+
+# --- single-process modes --------------------------------------------------------------------
+
+@pytest.mark.parametrize("stages, microbatches, split", [(2, 1, ""), (2, 4, ""), (3, 3, ""), (3, 5, "[1,3]")])
+def test_model_parallel_equals_one_device(train, reference, stages, microbatches, split):
+    devices = "[" + ",".join(["cpu"] * stages) + "]"
+    overrides = [*EXACT, "parallel=model", f"parallel.devices={devices}", f"parallel.microbatches={microbatches}"]
+    _, run_dir = train(*overrides, *([f"parallel.split={split}"] if split else []))
+    assert_same_training(run_dir, reference, tolerance=1e-6)
+    assert f"stage {stages - 1} on cpu" in (run_dir / "train.log").read_text()
+
+
+def test_model_parallel_refuses_a_model_it_cannot_split(train):
+    with pytest.raises(ConfigError, match="nn.Sequential-like"):
+        train("parallel=model", "model._target_=parallel_models.TwoBranch")
+
+
+def test_dp_on_cpu_warns_once_and_equals_one_device(train, reference):
+    _, run_dir = train(*EXACT, "parallel=dp", "device=cpu")
+    assert_same_training(run_dir, reference, tolerance=0)
+    assert (run_dir / "train.log").read_text().count("parallel=dp needs at least 2 GPUs") == 1
+
+
+@pytest.mark.parametrize("override, message", [
+    ("parallel.mode=pipeline", "parallel.mode='pipeline' is not allowed"),
+    ("parallel.microbatches=0", "parallel.microbatches=0 is invalid"),
+    ("parallel.split=[2,1]", "parallel.split=[2, 1] is invalid"),
+    ("parallel.world_size=-1", "parallel.world_size=-1 is invalid"),
+])
+def test_invalid_parallel_values_are_refused_in_one_sentence(train, override, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        train(override)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["batch_size=63"], "batch_size=63 does not divide among 2 processes"),
+    (["parallel.sync_batchnorm=true"], "parallel.sync_batchnorm=true needs CUDA"),
+    (["parallel.backend=nccl"], "parallel.backend='nccl' needs CUDA"),
+    (["device=cuda"], "CUDA is not available"),
+])
+def test_impossible_ddp_combinations_are_refused_before_spawning(train, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        train("parallel=ddp", *overrides)
+
+
+# --- ddp: 2 gloo processes --------------------------------------------------------------------
+
+@pytest.mark.timeout(180)
+def test_ddp_equals_one_device_and_its_checkpoint_resumes_under_another_mode(train, reference):
+    metrics, run_dir = train(*EXACT, "parallel=ddp", "parallel.world_size=2")
+    assert_same_training(run_dir, reference, tolerance=1e-5)
+    assert metrics == read_metrics(run_dir)  # rank 0's metrics came back to the caller
+    log = (run_dir / "train.log").read_text()
+    assert "starting 2 processes" in log and log.count("epoch 2  step") == 1  # rank 0 alone logs
+    # One more epoch from each checkpoint: the ddp one under parallel=model, the other under none.
+    _, continued = train(*EXACT, "trainer.max_epochs=3", "parallel=model", f"resume={run_dir / 'checkpoints/last.pt'}")
+    _, expected = train(*EXACT, "trainer.max_epochs=3", f"resume={reference / 'checkpoints/last.pt'}")
+    for name, value in final_weights(expected).items():
+        torch.testing.assert_close(final_weights(continued)[name], value, rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_ddp_equals_one_device(reference, tmp_path):
+    outputs = tmp_path / "torchrun"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(REPO / "run.py"), "parallel=ddp", *EXACT, "trainer.progress_bar=false", "model.width=32",
+               f"paths.output_dir={outputs}"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = single_run_dir(outputs)  # both ranks use rank 0's run dir
+    assert_same_training(run_dir, reference, tolerance=1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_ddp_multirun_gives_one_complete_run_dir_per_job(tmp_path):
+    command = [sys.executable, str(REPO / "run.py"), "-m", "parallel=ddp", "lr=1e-3,1e-4", "trainer=debug",
+               "trainer.progress_bar=false", "model.width=32", f"paths.output_dir={tmp_path / 'outputs'}"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    jobs = sorted(p for p in (tmp_path / "outputs" / "train" / "multirun").glob("*/*") if p.is_dir())
+    assert [p.name for p in jobs] == ["0", "1"]
+    for job in jobs:
+        for name in (".hydra/config.yaml", "train.log", "metrics.json", "checkpoints/last.pt", "tensorboard"):
+            assert (job / name).exists(), job / name
+    assert read_metrics(jobs[0])["train/loss"] != read_metrics(jobs[1])["train/loss"]  # lr differed
+
+
+@pytest.mark.timeout(300)
+def test_ddp_run_killed_mid_training_resumes_with_resume_auto(train, cli, tmp_path):
+    outputs = tmp_path / "outputs"
+    args = ["parallel=ddp", "name=killed", "trainer.max_epochs=10", "batch_size=128", "early_stopping.enabled=false", "logger.name=none",
+            "trainer.progress_bar=false", "model.width=32", f"paths.output_dir={outputs}"]
+    first = outputs / "killed" / "first"
+    with open(tmp_path / "first.log", "w") as console:
+        process = subprocess.Popen([sys.executable, str(REPO / "run.py"), *args, f"hydra.run.dir={first}"], cwd=REPO,
+                                   stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 150
+            while not (first / "checkpoints" / "last.pt").exists():
+                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+                time.sleep(0.05)
+        finally:
+            os.killpg(process.pid, signal.SIGKILL)  # the Hydra job and both ddp processes
+            process.wait()
+    assert not (first / "metrics.json").exists()  # it really was killed before the end
+    done = cli(*args, "resume=auto", f"hydra.run.dir={outputs / 'killed' / 'second'}", timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = (outputs / "killed" / "second" / "train.log").read_text()
+    resumed_epoch = int(log.split("Resumed from")[1].split("at epoch ")[1].split(",")[0])
+    assert 1 <= resumed_epoch < 10
+    _, reference = train("trainer.max_epochs=10", "batch_size=128", "early_stopping.enabled=false", "logger.name=none")
+    for name, value in final_weights(reference).items():
+        torch.testing.assert_close(final_weights(outputs / "killed" / "second")[name], value, rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("crash", ["raise", "exit"])
+def test_a_crashing_ddp_worker_takes_the_job_down_with_its_error(cli, crash):
+    started = time.monotonic()
+    done = cli("parallel=ddp", "model._target_=parallel_models.CrashingMLP", f"+model.crash={crash}",
+               "trainer=debug", "trainer.progress_bar=false", "model.width=32", "parallel.timeout_s=60",
+               timeout=150, env=TESTS_ON_PATH)
+    assert done.returncode != 0
+    expected = "rank 1 crashed on purpose" if crash == "raise" else "process 1 terminated with exit code 3"
+    assert expected in done.stderr, done.stderr[-3000:]
+    assert time.monotonic() - started < 120  # taken down, not left to the 60 s collective timeout
