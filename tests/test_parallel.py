@@ -206,8 +206,8 @@ def test_ddp_multirun_gives_one_complete_run_dir_per_job(tmp_path):
 @pytest.mark.timeout(300)
 def test_ddp_run_killed_mid_training_resumes_with_resume_auto(train, cli, tmp_path):
     outputs = tmp_path / "outputs"
-    args = ["parallel=ddp", "name=killed", "trainer.max_epochs=10", "batch_size=128", "early_stopping.enabled=false", "logger.name=none",
-            "trainer.progress_bar=false", "model.width=32", f"paths.output_dir={outputs}"]
+    args = ["parallel=ddp", "name=killed", "trainer.max_epochs=10", "batch_size=128", "early_stopping.enabled=false",
+            "logger.name=none", "trainer.progress_bar=false", "model.width=32", f"paths.output_dir={outputs}"]
     first = outputs / "killed" / "first"
     with open(tmp_path / "first.log", "w") as console:
         process = subprocess.Popen([sys.executable, str(REPO / "run.py"), *args, f"hydra.run.dir={first}"], cwd=REPO,
