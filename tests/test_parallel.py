@@ -66,13 +66,6 @@ def reference(tmp_path_factory) -> Path:
     return root / "run"
 
 
-def single_run_dir(outputs: Path) -> Path:
-    """The one run dir under outputs/<name>/ (a mode must not leave a second one behind)."""
-    runs = [p for p in outputs.glob("*/*") if p.is_dir()]
-    assert len(runs) == 1, runs
-    return runs[0]
-
-
 # --- split and balance arithmetic (no process group) ----------------------------------------
 
 def test_balanced_boundaries_minimise_the_largest_stage():
@@ -165,7 +158,8 @@ def test_impossible_ddp_combinations_are_refused_before_spawning(train, override
 
 @pytest.mark.timeout(180)
 def test_ddp_equals_one_device_and_its_checkpoint_resumes_under_another_mode(train, reference):
-    metrics, run_dir = train(*EXACT, "parallel=ddp", "parallel.world_size=2")
+    # Each process also splits its half of the batch into 2 micro-batches (no_sync on the first).
+    metrics, run_dir = train(*EXACT, "parallel=ddp", "parallel.world_size=2", "trainer.accumulate_grad_batches=2")
     assert_same_training(run_dir, reference, tolerance=1e-5)
     assert metrics == read_metrics(run_dir)  # rank 0's metrics came back to the caller
     log = (run_dir / "train.log").read_text()
@@ -180,13 +174,14 @@ def test_ddp_equals_one_device_and_its_checkpoint_resumes_under_another_mode(tra
 @pytest.mark.timeout(240)
 def test_torchrun_ddp_equals_one_device(reference, tmp_path):
     outputs = tmp_path / "torchrun"
+    # Each process is a Hydra app; give each its own run dir so that adopting rank 0's is tested.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(REPO / "run.py"), "parallel=ddp", *EXACT, "trainer.progress_bar=false", "model.width=32",
-               f"paths.output_dir={outputs}"]
+               f"paths.output_dir={outputs}", f"hydra.run.dir={outputs}/rank${{oc.env:RANK}}"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
-    run_dir = single_run_dir(outputs)  # both ranks use rank 0's run dir
-    assert_same_training(run_dir, reference, tolerance=1e-5)
+    assert [p.name for p in outputs.iterdir()] == ["rank0"]  # rank 1 used rank 0's dir and removed its own
+    assert_same_training(outputs / "rank0", reference, tolerance=1e-5)
 
 
 @pytest.mark.timeout(240)
