@@ -154,6 +154,18 @@ def test_impossible_ddp_combinations_are_refused_before_spawning(train, override
         train("parallel=ddp", *overrides)
 
 
+def test_more_ddp_processes_than_gpus_is_refused(monkeypatch):
+    from conftest import composed
+    from framework.parallel.distributed import process_count
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert process_count(composed("parallel=ddp", "device=cuda")) == 2  # world_size=0: one per GPU
+    with pytest.raises(ConfigError, match="parallel.world_size=4 is larger than the 2 visible GPUs"):
+        process_count(composed("parallel=ddp", "device=cuda", "parallel.world_size=4"))
+    assert process_count(composed("parallel=ddp", "device=cpu", "parallel.world_size=4")) == 4
+
+
 # --- ddp: 2 gloo processes --------------------------------------------------------------------
 
 @pytest.mark.timeout(180)
