@@ -6,9 +6,10 @@ Each mode runs in a fresh process (so peak memory is its own): a 4-layer MLP of 
 on synthetic data, global batch 256. The table gives training throughput, time per optimizer
 step, peak memory per process (RSS) or per GPU, and the throughput relative to parallel=none.
 
-On a CPU-only machine every mode shares the same cores, so the table measures what the
-mechanics cost (process start-up is excluded; gradient all-reduce, micro-batch pipelining,
-scatter/gather are not), not a speed-up: that needs one device per process or stage.
+On a CPU-only machine every mode shares the same cores and none adds compute, so the table
+shows what the mechanics cost or how the cores get split, not a parallel speed-up (that
+needs one device per process or stage). Process start-up is excluded; the gradient
+all-reduce, the micro-batch pipeline and DataParallel's scatter/gather are included.
 """
 from __future__ import annotations
 
@@ -102,9 +103,11 @@ def main() -> None:
     results = {mode: median_run([r[mode] for r in runs]) for mode in modes}
     print(table(results))
     if gpus < 2:
-        print("\nWith fewer than 2 GPUs every mode shares the same hardware: these ratios are the overhead of the "
-              "mechanics (gradient all-reduce between processes, micro-batch pipelining, DataParallel's fallback), "
-              "not a speed-up. A speed-up needs one device per ddp process or pipeline stage.")
+        print("\nWith fewer than 2 GPUs every mode runs on the same cores and none adds compute, so this is not a "
+              "parallel speed-up. ddp compares 2 processes of half the threads each (plus a gradient all-reduce per "
+              "step) with 1 process using all threads; model runs its micro-batches through the stages one after "
+              "another; dp runs unwrapped. Load from other programs on the machine skews all of them. A speed-up "
+              "needs one device per ddp process or pipeline stage.")
 
 
 if __name__ == "__main__":
