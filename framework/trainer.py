@@ -235,15 +235,18 @@ class Trainer:
 
     def end_epoch(self, train_loss: float, progress: ProgressBar) -> Dict[str, float]:
         val = self.evaluate(self.val_batches)
-        finished_epoch = self.batch_in_epoch >= len(self.train_batches)
-        if finished_epoch:
+        metrics = {"train/loss": train_loss, "val/loss": val["loss"], "val/acc": val["acc"]}
+        # A run stopped by max_steps mid-epoch keeps its place in the epoch, so a resume
+        # continues with the next batch instead of replaying the epoch.
+        if self.batch_in_epoch >= len(self.train_batches):
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
             self.scheduler.after_epoch()
-        metrics = {"train/loss": train_loss, "val/loss": val["loss"], "val/acc": val["acc"], "epoch": self.epoch}
+            if self.early_stopping.update(metrics) and not self.stop_reason:
+                self.stop_reason = (f"early stopping: {self.early_stopping.tracker.monitor} did not improve "
+                                    f"for {self.early_stopping.patience} epochs")
+        metrics["epoch"] = self.epoch
         self.logger.log_metrics(metrics, self.step)
         self.logger.log_histograms(unwrap(self.model), self.epoch - 1)
-        if self.early_stopping.update(metrics) and not self.stop_reason:
-            self.stop_reason = f"early stopping: {self.early_stopping.tracker.monitor} did not improve for {self.early_stopping.patience} epochs"
         self.checkpointer.maybe_save(self.state, metrics)
         progress.show({"val_acc": val["acc"], "val_loss": val["loss"]})
         log.info("epoch %d  step %d  train/loss %.4f  val/loss %.4f  val/acc %.4f",
