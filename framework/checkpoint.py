@@ -74,9 +74,11 @@ def load_checkpoint(path: str | Path) -> Dict[str, Any]:
     path = resolve_checkpoint_path(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise CheckpointError(f"{path} was refused: it holds pickled objects other than tensors and plain data, "
-                              "so it is not a runlab checkpoint and was not executed.") from None
+    except pickle.UnpicklingError as error:
+        refused = [line.strip() for line in str(error).splitlines() if "GLOBAL" in line]
+        if refused:  # the file names Python code to run on unpickling: never ours, never executed
+            raise CheckpointError(f"{path} was refused and not executed: it is not a runlab checkpoint ({refused[0]}).") from None
+        raise CheckpointError(f"{path} is corrupt or truncated and cannot be read.") from None
     except Exception as error:
         raise CheckpointError(f"{path} is corrupt or truncated and cannot be read ({type(error).__name__}).") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:

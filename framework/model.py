@@ -131,8 +131,8 @@ def model_spec(model_cfg: DictConfig, input_shape: Tuple[int, ...], num_classes:
     spec.setdefault("num_classes", num_classes)
     accepted = accepted_keys(get_object(spec["_target_"]))
     if accepted is not None:
-        dropped = sorted(k for k in spec if not k.startswith("_") and k not in accepted)
-        if dropped and set(dropped) - {"input_shape", "num_classes"}:
+        dropped = sorted(k for k in model_cfg if not k.startswith("_") and k not in accepted)
+        if dropped:
             log.warning("model._target_=%s does not take %s; leaving them out.", spec["_target_"], ", ".join(dropped))
         spec = {k: v for k, v in spec.items() if k.startswith("_") or k in accepted}
     return spec

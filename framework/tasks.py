@@ -16,8 +16,11 @@ Metrics = Dict[str, float]
 
 
 def train(cfg: DictConfig, run_dir: Path) -> Metrics:
-    env = parallel.setup(cfg)
-    return Trainer(cfg, run_dir, env).fit()
+    trainer = Trainer(cfg, run_dir, parallel.setup(cfg))
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
 
 
 TASKS: Dict[str, Callable[[DictConfig, Path], Metrics]] = {"train": train}

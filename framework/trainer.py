@@ -217,6 +217,10 @@ class Trainer:
         progress.show({"loss": values["train/loss_running"], "samples/s": values["train/samples_per_second"]})
         return now
 
+    def close(self) -> None:
+        """Flush and close the logger; runs on success and on a crash alike."""
+        self.logger.close()
+
     @torch.inference_mode()
     def evaluate(self, batches) -> Dict[str, float]:
         """Mean loss and accuracy over a split, summed across processes; no graph is built."""
@@ -254,7 +258,7 @@ class Trainer:
         return metrics
 
     def finish(self, metrics: Dict[str, float], train_seconds: float, steps_run: int) -> Dict[str, float]:
-        """Test the best weights, write metrics.json and the run's hparams, close the logger."""
+        """Test the best weights, write metrics.json and the run's hparams."""
         if self.stop_reason:
             log.info("Stopped: %s.", self.stop_reason)
         monitor = self.checkpointer.tracker.monitor
@@ -264,7 +268,6 @@ class Trainer:
         final.update(self.test_best())
         self.log_sample_predictions()
         self.logger.log_hparams(self.hparams(), {k: v for k, v in final.items() if "/" in k})
-        self.logger.close()
         if self.env.is_main:
             (self.run_dir / "metrics.json").write_text(json.dumps(final, indent=2, allow_nan=True) + "\n")
         return final
