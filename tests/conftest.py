@@ -37,7 +37,7 @@ def cli(tmp_path):
     """Run ``python run.py ARGS`` in a subprocess with outputs under tmp_path."""
 
     def _cli(*args: str, timeout: float = 240, env: Dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        command = [sys.executable, str(REPO / "run.py"), f"paths.output_dir={tmp_path / 'outputs'}", *args]
+        command = [sys.executable, str(REPO / "run.py"), *args, f"paths.output_dir={tmp_path / 'outputs'}"]
         return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})})
 
@@ -50,3 +50,8 @@ def read_metrics(run_dir: Path) -> Dict[str, float]:
 
 def composed(*overrides: str):
     return compose(list(overrides))
+
+
+def write_csv_without_label(path: Path) -> Path:
+    path.write_text("a,b,target\n1,2,0\n3,4,1\n")
+    return path
