@@ -218,8 +218,11 @@ class Trainer:
         return now
 
     def close(self) -> None:
-        """Flush and close the logger; runs on success and on a crash alike."""
-        self.logger.close()
+        """Finish the checkpoint write in flight and close the logger; on success and on a crash alike."""
+        try:
+            self.checkpointer.wait()
+        finally:
+            self.logger.close()
 
     @torch.inference_mode()
     def evaluate(self, batches) -> Dict[str, float]:
@@ -275,6 +278,7 @@ class Trainer:
     def test_best(self) -> Dict[str, float]:
         if not self.cfg.trainer.test_after_fit or not len(self.data.test):
             return {}
+        self.checkpointer.wait()
         if self.checkpointer.best.is_file():
             # The checkpoint of the best epoch, not the last weights, is what a user would ship.
             unwrap(self.model).load_state_dict(load_checkpoint(self.checkpointer.best)["model"])

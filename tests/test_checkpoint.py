@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from framework.checkpoint import (CheckpointError, EarlyStopping, MetricTracker, load_checkpoint, load_model,
+from framework.checkpoint import (Checkpointer, CheckpointError, EarlyStopping, MetricTracker, load_checkpoint, load_model,
                                   rng_state, save_checkpoint, set_rng_state)
 
 
@@ -83,3 +83,22 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_last_good_one(tmp_path):
     state = load_checkpoint(path)
     assert state["step"] == 1 and torch.equal(state["w"], torch.ones(1000))
     assert any(name.startswith(".last.pt.tmp") for name in os.listdir(tmp_path))  # the torn write stayed aside
+
+
+def test_a_failed_background_write_surfaces_on_the_training_thread(tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the checkpoint folder should be")
+    checkpointer = Checkpointer(blocker, "val/acc", "max", enabled=True, is_writer=True)
+    checkpointer.maybe_save(lambda: {"w": torch.ones(1)}, {"val/acc": 0.5})
+    with pytest.raises(OSError):
+        checkpointer.wait()
+
+
+def test_the_snapshot_is_not_changed_by_later_training(tmp_path):
+    weights = torch.zeros(3)
+    checkpointer = Checkpointer(tmp_path, "val/acc", "max", enabled=True, is_writer=True)
+    checkpointer.maybe_save(lambda: {"w": weights}, {"val/acc": 0.5})
+    weights += 1  # the next step changes the live tensor while the write may still run
+    checkpointer.wait()
+    assert torch.equal(load_checkpoint(tmp_path / "last.pt")["w"], torch.zeros(3))
+    assert (tmp_path / "best.pt").is_file()
