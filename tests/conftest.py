@@ -8,9 +8,13 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-import pytest
+# Tiny models gain nothing from intra-op threads, and tests that start several processes
+# (DDP, sweeps) would oversubscribe the cores; set before torch is imported anywhere.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from framework.entry import compose, run
+import pytest  # noqa: E402
+
+from framework.entry import compose, run  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
