@@ -11,6 +11,7 @@ import os
 import pickle
 import random
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
@@ -74,9 +75,11 @@ def load_checkpoint(path: str | Path) -> Dict[str, Any]:
     path = resolve_checkpoint_path(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise CheckpointError(f"{path} was refused: it holds pickled objects other than tensors and plain data, "
-                              "so it is not a runlab checkpoint and was not executed.") from None
+    except pickle.UnpicklingError as error:
+        refused = [line.strip() for line in str(error).splitlines() if "GLOBAL" in line]
+        if refused:  # the file names Python code to run on unpickling: never ours, never executed
+            raise CheckpointError(f"{path} was refused and not executed: it is not a runlab checkpoint ({refused[0]}).") from None
+        raise CheckpointError(f"{path} is corrupt or truncated and cannot be read.") from None
     except Exception as error:
         raise CheckpointError(f"{path} is corrupt or truncated and cannot be read ({type(error).__name__}).") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
@@ -134,12 +137,30 @@ class MetricTracker:
         return better
 
 
+def snapshot(value: Any) -> Any:
+    """A CPU copy of every tensor in a nested state, so training can go on changing the originals."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: snapshot(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(snapshot(v) for v in value)
+    return value
+
+
 class Checkpointer:
-    """Writes ``last.pt`` after every epoch and ``best.pt`` when the monitored metric improves."""
+    """Writes ``last.pt`` after every epoch and ``best.pt`` when the monitored metric improves.
+
+    The state is copied to CPU memory on the caller's thread and written to disk on a
+    background thread, so the next epoch does not wait for serialisation and fsync. One
+    write is in flight at a time; ``wait`` joins it and re-raises its error, if any.
+    """
 
     def __init__(self, directory: Path, monitor: str, mode: str, enabled: bool, is_writer: bool):
         self.directory, self.enabled, self.is_writer = Path(directory), enabled, is_writer
         self.tracker = MetricTracker(monitor, mode)
+        self._writer: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
 
     @property
     def last(self) -> Path:
@@ -154,9 +175,26 @@ class Checkpointer:
         improved = self.tracker.improved(metrics)
         if not (self.enabled and self.is_writer):
             return
-        save_checkpoint(state(), self.last)
-        if improved:
-            atomic_write(self.best, lambda tmp: shutil.copyfile(self.last, tmp))
+        copy = snapshot(state())
+        self.wait()
+        self._writer = threading.Thread(target=self._write, args=(copy, improved), name="checkpoint-writer")
+        self._writer.start()
+
+    def _write(self, state: Dict[str, Any], improved: bool) -> None:
+        try:
+            save_checkpoint(state, self.last)
+            if improved:
+                atomic_write(self.best, lambda tmp: shutil.copyfile(self.last, tmp))
+        except BaseException as error:  # surfaced by wait() on the training thread
+            self._error = error
+
+    def wait(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
     def state_dict(self) -> Dict[str, Any]:
         return {"best": self.tracker.best}

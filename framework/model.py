@@ -7,13 +7,16 @@ Each names its output layer in ``head_name`` so fine-tuning can replace it by na
 from __future__ import annotations
 
 import inspect
+import logging
 from collections import OrderedDict
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 def _dense_block(width_in: int, width_out: int, dropout: float, batch_norm: bool) -> nn.Sequential:
@@ -108,18 +111,30 @@ class ResNet(nn.Sequential):
         super().__init__(layers)
 
 
-def shape_kwargs(target: Any, input_shape: Tuple[int, ...], num_classes: int) -> Dict[str, Any]:
-    """The data-derived arguments the model's constructor accepts (a user's model may take neither)."""
-    parameters = inspect.signature(target).parameters
-    offered = {"input_shape": list(input_shape), "num_classes": num_classes}
-    return {k: v for k, v in offered.items() if k in parameters}
+def accepted_keys(target: Any) -> Optional[set]:
+    """The keyword arguments ``target`` takes, or None when it takes ``**kwargs``."""
+    parameters = inspect.signature(target).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters}
 
 
 def model_spec(model_cfg: DictConfig, input_shape: Tuple[int, ...], num_classes: int) -> Dict[str, Any]:
-    """The full constructor call as a plain dict: saved in checkpoints so a model rebuilds from them alone."""
+    """The full constructor call as a plain dict: saved in checkpoints so a model rebuilds from them alone.
+
+    ``input_shape`` and ``num_classes`` come from the data unless the config sets them. With
+    ``model._target_=mypkg.MyNet`` the group's other keys (width, depth, ...) may not fit the
+    user's constructor: those it does not accept are dropped, with a warning naming them.
+    """
     spec = OmegaConf.to_container(model_cfg, resolve=True)
-    for key, value in shape_kwargs(get_object(spec["_target_"]), input_shape, num_classes).items():
-        spec.setdefault(key, value)
+    spec.setdefault("input_shape", list(input_shape))
+    spec.setdefault("num_classes", num_classes)
+    accepted = accepted_keys(get_object(spec["_target_"]))
+    if accepted is not None:
+        dropped = sorted(k for k in model_cfg if not k.startswith("_") and k not in accepted)
+        if dropped:
+            log.warning("model._target_=%s does not take %s; leaving them out.", spec["_target_"], ", ".join(dropped))
+        spec = {k: v for k, v in spec.items() if k.startswith("_") or k in accepted}
     return spec
 
 

@@ -21,7 +21,11 @@ def train(cfg: DictConfig, run_dir: Path) -> Metrics:
 
 def fit(cfg: DictConfig, run_dir: Path, env: parallel.Environment) -> Metrics:
     """One process's share of a training run (every process of a ddp run calls it)."""
-    return Trainer(cfg, run_dir, env).fit()
+    trainer = Trainer(cfg, run_dir, env)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
 
 
 TASKS: Dict[str, Callable[[DictConfig, Path], Metrics]] = {"train": train}

@@ -219,6 +219,13 @@ class Trainer:
         progress.show({"loss": values["train/loss_running"], "samples/s": values["train/samples_per_second"]})
         return now
 
+    def close(self) -> None:
+        """Finish the checkpoint write in flight and close the logger; on success and on a crash alike."""
+        try:
+            self.checkpointer.wait()
+        finally:
+            self.logger.close()
+
     @torch.inference_mode()
     def evaluate(self, batches) -> Dict[str, float]:
         """Mean loss and accuracy over a split, summed across processes; no graph is built."""
@@ -237,15 +244,18 @@ class Trainer:
 
     def end_epoch(self, train_loss: float, progress: ProgressBar) -> Dict[str, float]:
         val = self.evaluate(self.val_batches)
-        finished_epoch = self.batch_in_epoch >= len(self.train_batches)
-        if finished_epoch:
+        metrics = {"train/loss": train_loss, "val/loss": val["loss"], "val/acc": val["acc"]}
+        # A run stopped by max_steps mid-epoch keeps its place in the epoch, so a resume
+        # continues with the next batch instead of replaying the epoch.
+        if self.batch_in_epoch >= len(self.train_batches):
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
             self.scheduler.after_epoch()
-        metrics = {"train/loss": train_loss, "val/loss": val["loss"], "val/acc": val["acc"], "epoch": self.epoch}
+            if self.early_stopping.update(metrics) and not self.stop_reason:
+                self.stop_reason = (f"early stopping: {self.early_stopping.tracker.monitor} did not improve "
+                                    f"for {self.early_stopping.patience} epochs")
+        metrics["epoch"] = self.epoch
         self.logger.log_metrics(metrics, self.step)
         self.logger.log_histograms(unwrap(self.model), self.epoch - 1)
-        if self.early_stopping.update(metrics) and not self.stop_reason:
-            self.stop_reason = f"early stopping: {self.early_stopping.tracker.monitor} did not improve for {self.early_stopping.patience} epochs"
         self.checkpointer.maybe_save(self.state, metrics)
         progress.show({"val_acc": val["acc"], "val_loss": val["loss"]})
         log.info("epoch %d  step %d  train/loss %.4f  val/loss %.4f  val/acc %.4f",
@@ -253,7 +263,7 @@ class Trainer:
         return metrics
 
     def finish(self, metrics: Dict[str, float], train_seconds: float, steps_run: int) -> Dict[str, float]:
-        """Test the best weights, write metrics.json and the run's hparams, close the logger."""
+        """Test the best weights, write metrics.json and the run's hparams."""
         if self.stop_reason:
             log.info("Stopped: %s.", self.stop_reason)
         monitor = self.checkpointer.tracker.monitor
@@ -263,7 +273,6 @@ class Trainer:
         final.update(self.test_best())
         self.log_sample_predictions()
         self.logger.log_hparams(self.hparams(), {k: v for k, v in final.items() if "/" in k})
-        self.logger.close()
         if self.env.is_main:
             (self.run_dir / "metrics.json").write_text(json.dumps(final, indent=2, allow_nan=True) + "\n")
         return final
@@ -271,7 +280,8 @@ class Trainer:
     def test_best(self) -> Dict[str, float]:
         if not self.cfg.trainer.test_after_fit or not len(self.data.test):
             return {}
-        self.env.barrier()  # rank 0 may still be writing best.pt
+        self.checkpointer.wait()
+        self.env.barrier()  # every process reads best.pt only once rank 0 has finished writing it
         if self.checkpointer.best.is_file():
             # The checkpoint of the best epoch, not the last weights, is what a user would ship.
             unwrap(self.model).load_state_dict(load_checkpoint(self.checkpointer.best)["model"])

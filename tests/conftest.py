@@ -8,9 +8,13 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-import pytest
+# Tiny models gain nothing from intra-op threads, and tests that start several processes
+# (DDP, sweeps) would oversubscribe the cores; set before torch is imported anywhere.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from framework.entry import compose, run
+import pytest  # noqa: E402
+
+from framework.entry import compose, run  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,7 +41,7 @@ def cli(tmp_path):
     """Run ``python run.py ARGS`` in a subprocess with outputs under tmp_path."""
 
     def _cli(*args: str, timeout: float = 240, env: Dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        command = [sys.executable, str(REPO / "run.py"), f"paths.output_dir={tmp_path / 'outputs'}", *args]
+        command = [sys.executable, str(REPO / "run.py"), *args, f"paths.output_dir={tmp_path / 'outputs'}"]
         return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})})
 
@@ -50,3 +54,8 @@ def read_metrics(run_dir: Path) -> Dict[str, float]:
 
 def composed(*overrides: str):
     return compose(list(overrides))
+
+
+def write_csv_without_label(path: Path) -> Path:
+    path.write_text("a,b,target\n1,2,0\n3,4,1\n")
+    return path

@@ -1,0 +1,89 @@
+"""The command line as a user types it: help, config printing, sweeps and one-line errors."""
+import pytest
+import torch
+import yaml
+
+from conftest import write_csv_without_label
+from framework.checkpoint import CheckpointError
+from framework.config import ConfigError
+
+QUICK = ["trainer.max_steps=2", "trainer.progress_bar=false", "logger=none", "model.width=16"]
+
+
+def test_help_lists_the_config_groups(cli):
+    result = cli("--help")
+    assert result.returncode == 0
+    for group in ("data:", "model:", "optimizer:", "parallel:", "logger:", "experiment:"):
+        assert group in result.stdout, group
+    assert "digits_cnn" in result.stdout
+
+
+def test_cfg_job_prints_the_resolved_config(cli):
+    result = cli("--cfg", "job", "--resolve", "lr=0.005", "experiment=digits_cnn")
+    assert result.returncode == 0
+    assert "lr: 0.005" in result.stdout and "framework.model.CNN" in result.stdout and "name: digits_cnn" in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_grid_over_lr_runs_one_complete_job_per_value(cli, tmp_path):
+    result = cli("-m", "lr=1e-3,1e-4", *QUICK)
+    assert result.returncode == 0, result.stderr[-2000:]
+    jobs = sorted((tmp_path / "outputs" / "train" / "multirun").glob("*/[0-9]*"))
+    assert [j.name for j in jobs] == ["0", "1"]
+    assert [yaml.safe_load((j / ".hydra" / "config.yaml").read_text())["lr"] for j in jobs] == [1e-3, 1e-4]
+    for job in jobs:
+        assert (job / "metrics.json").is_file() and (job / "train.log").is_file() and (job / "checkpoints" / "last.pt").is_file()
+
+
+def one_line_error(result):
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("runlab: error:")]
+    assert len(errors) == 1
+    return errors[0]
+
+
+def test_a_bad_value_stops_with_one_line_and_exit_code_2(cli):
+    line = one_line_error(cli("lr=-1"))
+    assert "lr=-1.0 is invalid" in line and "positive" in line
+
+
+def test_a_corrupt_checkpoint_stops_with_one_line(cli, tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"garbage")
+    line = one_line_error(cli(f"resume={bad}", *QUICK))
+    assert "corrupt or truncated" in line
+
+
+def test_an_unknown_model_names_the_available_options(cli):
+    result = cli("model=transformer")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "model/transformer" in result.stderr and "mlp" in result.stderr
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["lr=-0.1"], "lr=-0.1 is invalid; the learning rate must be a positive number"),
+    (["batch_size=0"], "batch_size=0 is invalid; it must be a positive integer"),
+    (["optimized_metric=val/f1"], "optimized_metric='val/f1' is not allowed; choose one of"),
+    (["checkpoint.monitor=val/f1"], "checkpoint.monitor='val/f1' is not allowed"),
+    (["data=csv", "data.path=/nonexistent/train.csv"], "data.path='/nonexistent/train.csv' does not exist"),
+    (["trainer.precision=16"], "trainer.precision='16' is not allowed; choose one of 32, bf16, fp16"),
+    (["model._target_=torch.nn.Nope"], "model._target_='torch.nn.Nope' cannot be imported"),
+    (["batch_size=100000"], "batch_size=100000 is larger than the 1257 training samples"),
+])
+def test_bad_values_are_refused_before_any_work(train, overrides, message):
+    with pytest.raises(ConfigError) as error:
+        train(*overrides)
+    assert message in str(error.value)
+
+
+def test_a_csv_without_the_label_column_names_its_columns(train, tmp_path):
+    path = write_csv_without_label(tmp_path / "nolabel.csv")
+    with pytest.raises(ConfigError, match=r"data.label_column='label' is not a column .* its columns are: a, b, target"):
+        train("data=csv", f"data.path={path}")
+
+
+def test_a_foreign_checkpoint_is_refused_for_resume(train, tmp_path):
+    torch.save({"state_dict": {"w": torch.zeros(1)}}, tmp_path / "foreign.pt")
+    with pytest.raises(CheckpointError, match="not a runlab checkpoint"):
+        train(f"resume={tmp_path / 'foreign.pt'}")

@@ -1,0 +1,103 @@
+import numpy as np
+import pytest
+import torch
+
+from conftest import composed
+from framework.config import ConfigError
+from framework.data import (BatchPlan, build_data, keep_classes, load_digits_arrays, split_indices, standardize)
+
+
+def test_digits_come_from_the_bundled_file_unchanged():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits_arrays()
+    reference = load_digits()
+    assert x.shape == (1797, 1, 8, 8)
+    np.testing.assert_array_equal(x.reshape(1797, 64), reference.data.astype(np.float32))
+    np.testing.assert_array_equal(y, reference.target)
+
+
+def test_split_is_fixed_by_its_seed_and_disjoint():
+    a, b = split_indices(100, 0.2, 0.1, seed=0), split_indices(100, 0.2, 0.1, seed=0)
+    assert all(np.array_equal(u, v) for u, v in zip(a, b))
+    train, val, test = a
+    assert (len(train), len(val), len(test)) == (70, 20, 10)
+    assert len(set(train) | set(val) | set(test)) == 100
+
+
+def test_standardize_uses_train_statistics_only():
+    train, other = standardize(np.arange(12, dtype=np.float32).reshape(4, 3), np.zeros((2, 3), np.float32))
+    np.testing.assert_allclose(train.mean(0), 0, atol=1e-6)
+    np.testing.assert_allclose(train.std(0), 1, atol=1e-6)
+    assert (other < 0).all()
+
+
+def test_keep_classes_relabels_in_listed_order():
+    x, y = keep_classes(np.arange(6)[:, None], np.array([5, 0, 7, 5, 9, 7]), [7, 5])
+    assert y.tolist() == [1, 0, 1, 0]
+    assert x[:, 0].tolist() == [0, 2, 3, 5]
+
+
+def test_batch_plan_is_seeded_drops_the_last_partial_batch_and_shards_per_rank():
+    plan = BatchPlan(10, 4, shuffle=True, seed=3)
+    batches = list(plan)
+    assert [len(b) for b in batches] == [4, 4]
+    assert all(torch.equal(u, v) for u, v in zip(batches, BatchPlan(10, 4, shuffle=True, seed=3)))
+    plan.set_epoch(1)
+    assert not torch.equal(batches[0], next(iter(plan)))
+    ranks = [list(BatchPlan(10, 4, shuffle=True, seed=3, rank=r, world_size=2)) for r in (0, 1)]
+    for step, whole in enumerate(batches):
+        assert torch.equal(torch.cat([ranks[0][step], ranks[1][step]]), whole)
+
+
+def test_eval_plan_covers_every_sample_once_across_ranks():
+    shards = [torch.cat(list(BatchPlan(11, 4, shuffle=False, rank=r, world_size=2))) for r in (0, 1)]
+    assert sorted(torch.cat(shards).tolist()) == list(range(11))
+
+
+def test_batch_size_that_does_not_divide_among_processes_is_refused():
+    with pytest.raises(ConfigError, match="batch_size=5 does not divide among 2 processes"):
+        BatchPlan(10, 5, shuffle=True, world_size=2)
+
+
+def test_synthetic_data_has_the_configured_shape():
+    cfg = composed("data=synthetic", "data.num_samples=200", "data.input_shape=[1,6,6]", "data.num_classes=3")
+    bundle = build_data(cfg.data, seed=0)
+    assert bundle.input_shape == (1, 6, 6) and bundle.num_classes == 3 and bundle.is_image
+    assert len(bundle.train) + len(bundle.val) + len(bundle.test) == 200
+
+
+def write_csv(path, rows=300, label="label"):
+    rng = np.random.default_rng(0)
+    lines = [f"a,b,{label}"]
+    for _ in range(rows):
+        cls = int(rng.integers(0, 2))
+        lines.append(f"{rng.normal(cls * 3):.4f},{rng.normal():.4f},{'yes' if cls else 'no'}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_csv_file_trains_with_string_labels(train, tmp_path):
+    path = write_csv(tmp_path / "my.csv")
+    metrics, _ = train("data=csv", f"data.path={path}", "batch_size=16", "trainer.max_epochs=6", "lr=1e-2")
+    assert metrics["val/acc"] >= 0.8
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".npz"])
+def test_tensor_files_train(train, tmp_path, suffix):
+    x, y = torch.randn(80, 4), torch.randint(0, 2, (80,))
+    x[:, 0] += 4 * y
+    path = tmp_path / f"data{suffix}"
+    if suffix == ".pt":
+        torch.save({"x": x, "y": y}, path)
+    else:
+        np.savez(path, x=x.numpy(), y=y.numpy())
+    metrics, _ = train("data=tensors", f"data.path={path}", "batch_size=8", "trainer.max_epochs=5", "lr=1e-2")
+    assert metrics["val/acc"] >= 0.8
+
+
+def test_dataloader_path_trains_exactly_like_the_in_memory_path(train):
+    fast, fast_dir = train("data.loader=memory")
+    streamed, streamed_dir = train("data.loader=dataloader")
+    for key in ("train/loss", "val/loss", "val/acc"):
+        assert fast[key] == pytest.approx(streamed[key], abs=1e-6), key

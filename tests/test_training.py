@@ -1,0 +1,111 @@
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, read_metrics
+from framework.checkpoint import Checkpointer, load_checkpoint
+from framework.config import ConfigError
+from framework.entry import run
+
+EXPERIMENTS = sorted(p.stem for p in (REPO / "experiments").glob("*.yaml"))
+
+
+def final_weights(run_dir: Path):
+    return load_checkpoint(run_dir / "checkpoints" / "last.pt")["model"]
+
+
+def assert_same_weights(a, b, atol=0.0):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=atol, rtol=0), key
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_runs(train, name):
+    metrics, run_dir = train(f"experiment={name}", "trainer.max_steps=3", "data.num_samples=1024")
+    assert metrics["step"] == 3 and (run_dir / "metrics.json").is_file()
+
+
+def test_the_default_experiment_learns_digits(train):
+    metrics, _ = train("trainer.max_epochs=6", shrink=False)
+    assert metrics["val/acc"] >= 0.95
+    assert metrics["best/val/acc"] >= metrics["val/acc"]
+    assert metrics["test/acc"] >= 0.9
+    for key in ("val/loss", "train/loss", "epoch", "step", "train_seconds", "samples_per_second"):
+        assert metrics[key] > 0, key
+
+
+def test_gradient_accumulation_keeps_the_effective_batch(train):
+    _, whole = train("trainer.accumulate_grad_batches=1")
+    _, split = train("trainer.accumulate_grad_batches=4")
+    assert_same_weights(final_weights(whole), final_weights(split), atol=1e-5)
+
+
+RESUME = ["trainer.max_epochs=4", "model.dropout=0.2", "early_stopping.enabled=false"]
+
+
+def test_resume_after_an_interruption_equals_an_uninterrupted_run(train, monkeypatch, tmp_path):
+    _, full_dir = train(*RESUME)
+    save = Checkpointer.maybe_save
+
+    def interrupt_after_epoch_2(self, state, metrics):
+        save(self, state, metrics)
+        if metrics["epoch"] == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Checkpointer, "maybe_save", interrupt_after_epoch_2)
+    with pytest.raises(KeyboardInterrupt):
+        train(*RESUME)
+    monkeypatch.undo()
+    interrupted = tmp_path / "run1" / "checkpoints" / "last.pt"
+    assert load_checkpoint(interrupted)["epoch"] == 2
+    resumed, resumed_dir = train(*RESUME, f"resume={interrupted}")
+    assert resumed["epoch"] == 4
+    assert_same_weights(final_weights(full_dir), final_weights(resumed_dir))
+
+
+def test_a_run_stopped_mid_epoch_by_max_steps_resumes_exactly(train, tmp_path):
+    _, full_dir = train(*RESUME)
+    stopped, stopped_dir = train(*RESUME, "trainer.max_steps=30")
+    assert stopped["step"] == 30
+    _, resumed_dir = train(*RESUME, f"resume={stopped_dir / 'checkpoints' / 'last.pt'}")
+    assert_same_weights(final_weights(full_dir), final_weights(resumed_dir))
+
+
+def test_resume_auto_continues_the_latest_run_of_the_same_name(tmp_path):
+    common = ["trainer.max_epochs=2", "trainer.progress_bar=false", "model.width=16", "logger=none",
+              f"paths.output_dir={tmp_path}", "name=auto_demo"]
+    first = run(common, run_dir=str(tmp_path / "auto_demo" / "a"))
+    assert first["epoch"] == 2
+    second = run([*common, "trainer.max_epochs=3", "resume=auto"], run_dir=str(tmp_path / "auto_demo" / "b"))
+    assert second["epoch"] == 3 and second["step"] == first["step"] * 3 // 2
+
+
+def test_early_stopping_stops_a_run_that_does_not_improve(train):
+    metrics, run_dir = train("lr=1e-12", "trainer.max_epochs=20", "early_stopping.patience=2")
+    assert metrics["epoch"] == 3
+    assert "early stopping" in (run_dir / "train.log").read_text()
+
+
+def test_bf16_autocast_trains_on_cpu(train):
+    metrics, _ = train("trainer.precision=bf16")
+    assert metrics["val/acc"] > 0.5
+
+
+def test_fp16_without_cuda_is_refused(train):
+    with pytest.raises(ConfigError, match="trainer.precision=fp16 needs a CUDA device"):
+        train("trainer.precision=fp16", "device=cpu")
+
+
+def test_gradient_clipping_bounds_the_update(train):
+    metrics, _ = train("trainer.gradient_clip_val=0.01", "trainer.max_epochs=1")
+    assert metrics["train/loss"] > 0
+
+
+def test_metrics_json_is_one_flat_object(train):
+    _, run_dir = train()
+    metrics = read_metrics(run_dir)
+    assert all(isinstance(v, (int, float)) for v in metrics.values())
+    assert {"val/acc", "val/loss", "best/val/acc", "train/loss", "epoch", "step", "train_seconds",
+            "samples_per_second"} <= metrics.keys()
