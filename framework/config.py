@@ -97,6 +97,19 @@ class LoggerConfig:
 
 
 @dataclass
+class TroubleshootConfig:
+    oom_recovery: bool = True  # on out-of-memory: halve the micro-batch (or eval batch) and retry the same step
+    max_probe_batch: int = 4096  # doctor: the largest batch its fit probe tries
+    profile_steps: int = 5  # doctor: steps timed for the data-bound vs compute-bound verdict
+    leak_check_steps: int = 12  # doctor: identical steps whose memory the leak check follows
+    memory_growth_epochs: int = 3  # warn once when peak memory rises this many epochs in a row at one batch shape
+    # Testing aid: raise a synthetic out-of-memory error whenever a forward pass gets more
+    # than this many samples (0: off), on every rank or only on inject_oom_rank.
+    inject_oom_above_batch: int = 0
+    inject_oom_rank: int = -1  # -1: every rank
+
+
+@dataclass
 class PathsConfig:
     root_dir: str = "${hydra:runtime.cwd}"
     output_dir: str = "${paths.root_dir}/outputs"
@@ -123,6 +136,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    troubleshoot: TroubleshootConfig = field(default_factory=TroubleshootConfig)
     search: Any = None
     experiment: Any = None
 
@@ -134,7 +148,7 @@ def register_configs() -> None:
 
 register_configs()
 
-TASKS = ("train",)
+TASKS = ("train", "doctor")
 DATA_SOURCES = ("digits", "synthetic", "csv", "tensors")
 LOADERS = ("auto", "memory", "dataloader")
 PRECISIONS = ("32", "bf16", "fp16")
@@ -173,6 +187,7 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.batch_size >= 1, f"batch_size={cfg.batch_size} is invalid; it must be a positive integer.")
     _validate_data(cfg.data)
     _validate_trainer(cfg.trainer)
+    _validate_troubleshoot(cfg.troubleshoot)
     _one_of("logger.name", cfg.logger.name, LOGGERS)
     for group in ("checkpoint", "early_stopping"):
         _one_of(f"{group}.mode", cfg[group].mode, MODES)
@@ -210,3 +225,14 @@ def _validate_trainer(trainer: DictConfig) -> None:
              f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches} is invalid; it must be at least 1.")
     _require(trainer.gradient_clip_val >= 0, f"trainer.gradient_clip_val={trainer.gradient_clip_val} is invalid; use 0 (off) or a positive norm.")
     _require(trainer.log_every_n_steps >= 1, f"trainer.log_every_n_steps={trainer.log_every_n_steps} is invalid; it must be at least 1.")
+
+
+def _validate_troubleshoot(troubleshoot: DictConfig) -> None:
+    for key in ("max_probe_batch", "profile_steps", "memory_growth_epochs"):
+        _require(troubleshoot[key] >= 1, f"troubleshoot.{key}={troubleshoot[key]} is invalid; it must be at least 1.")
+    _require(troubleshoot.leak_check_steps >= 4,
+             f"troubleshoot.leak_check_steps={troubleshoot.leak_check_steps} is invalid; the leak check needs at least 4 steps.")
+    _require(troubleshoot.inject_oom_above_batch >= 0,
+             f"troubleshoot.inject_oom_above_batch={troubleshoot.inject_oom_above_batch} is invalid; use 0 (off) or a batch size.")
+    _require(troubleshoot.inject_oom_rank >= -1,
+             f"troubleshoot.inject_oom_rank={troubleshoot.inject_oom_rank} is invalid; use -1 (every rank) or a rank.")
