@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 
 from framework import parallel
 from framework.trainer import Trainer
+from framework.troubleshoot.doctor import doctor
 
 log = logging.getLogger(__name__)
 
@@ -20,4 +21,4 @@ def train(cfg: DictConfig, run_dir: Path) -> Metrics:
     return Trainer(cfg, run_dir, env).fit()
 
 
-TASKS: Dict[str, Callable[[DictConfig, Path], Metrics]] = {"train": train}
+TASKS: Dict[str, Callable[[DictConfig, Path], Metrics]] = {"train": train, "doctor": doctor}

@@ -160,8 +160,9 @@ def model_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Di
 def activation_mb_per_sample(spec: Dict, input_shape: Tuple[int, ...]) -> Optional[float]:
     """The outputs of every leaf module for one sample, from a forward pass on the meta device.
 
-    Nothing is allocated; autograd keeps roughly these tensors for the backward pass. None
-    when the model cannot be built or run on the meta device.
+    No activation is allocated (the weights are built on the CPU, then moved to meta);
+    autograd keeps roughly these tensors for the backward pass. None when the model cannot
+    run on the meta device.
     """
     from framework.model import build_model
 
@@ -173,8 +174,7 @@ def activation_mb_per_sample(spec: Dict, input_shape: Tuple[int, ...]) -> Option
             total += output.numel() * output.element_size()
 
     try:
-        with torch.device("meta"):
-            model = build_model(spec)
+        model = build_model(spec).to("meta")
         for module in model.modules():
             if not list(module.children()):
                 module.register_forward_hook(count)
