@@ -104,8 +104,8 @@ class TroubleshootConfig:
     leak_check_steps: int = 12  # doctor: identical steps whose memory the leak check follows
     memory_growth_epochs: int = 3  # warn once when peak memory rises this many epochs in a row at one batch shape
     # Testing aid: raise a synthetic out-of-memory error whenever a forward pass gets more
-    # than this many samples (0: off), on every rank or only on inject_oom_rank.
-    inject_oom_above_batch: int = 0
+    # than this many samples (-1: off; 0 fails every one), on every rank or only on inject_oom_rank.
+    inject_oom_above_batch: int = -1
     inject_oom_rank: int = -1  # -1: every rank
 
 
@@ -232,7 +232,7 @@ def _validate_troubleshoot(troubleshoot: DictConfig) -> None:
         _require(troubleshoot[key] >= 1, f"troubleshoot.{key}={troubleshoot[key]} is invalid; it must be at least 1.")
     _require(troubleshoot.leak_check_steps >= 4,
              f"troubleshoot.leak_check_steps={troubleshoot.leak_check_steps} is invalid; the leak check needs at least 4 steps.")
-    _require(troubleshoot.inject_oom_above_batch >= 0,
-             f"troubleshoot.inject_oom_above_batch={troubleshoot.inject_oom_above_batch} is invalid; use 0 (off) or a batch size.")
+    _require(troubleshoot.inject_oom_above_batch >= -1,
+             f"troubleshoot.inject_oom_above_batch={troubleshoot.inject_oom_above_batch} is invalid; use -1 (off) or a batch size.")
     _require(troubleshoot.inject_oom_rank >= -1,
              f"troubleshoot.inject_oom_rank={troubleshoot.inject_oom_rank} is invalid; use -1 (every rank) or a rank.")

@@ -45,20 +45,38 @@ def doctor(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:
     trainer = Trainer(doctor_config(cfg), run_dir, parallel.setup(cfg))
     x, y = first_batch(trainer)
     report: Dict[str, Any] = {"environment": describe_environment()}
-    report["model"] = model_section(trainer, x, y)
     report["step_memory"] = step_memory(trainer, x, y)
-    report["largest_batch"] = largest_batch(trainer, cfg.troubleshoot.max_probe_batch)
-    report["data_vs_compute"] = data_vs_compute(trainer, x, y, cfg.troubleshoot.profile_steps)
-    with preserved(trainer):
-        report["leak_check"] = leak_check(lambda: trainer.train_step(x, y), trainer.env.device,
-                                          cfg.troubleshoot.leak_check_steps)
-    report["static_checks"] = static_checks(trainer, x, y, report["largest_batch"])
+    report["largest_batch"] = fit = largest_batch(trainer, cfg.troubleshoot.max_probe_batch)
+    configured = trainer.micro_batch
+    # The measurements below need steps that run: at the micro-batch training would back off to.
+    trainer.micro_batch = backed_off(configured, fit["largest_micro_batch"])
+    report["model"] = model_section(trainer, x, y)
+    report["data_vs_compute"] = data_vs_compute(trainer, x, y, cfg.troubleshoot.profile_steps) if fit["largest_micro_batch"] \
+        else skipped("not even one sample per step fits")
+    if fit["largest_micro_batch"]:
+        with preserved(trainer):
+            report["leak_check"] = leak_check(lambda: trainer.train_step(x, y), trainer.env.device,
+                                              cfg.troubleshoot.leak_check_steps)
+        report["static_checks"] = static_checks(trainer, x, y, fit, configured)
+    else:
+        report["leak_check"], report["static_checks"] = skipped("not even one sample per step fits"), []
     text = render(report)
     print(text)
     if trainer.env.is_main:
         (Path(run_dir) / "doctor.json").write_text(json.dumps(report, indent=2) + "\n")
         log.info("Doctor report written to %s.", Path(run_dir) / "doctor.json")
     return {}
+
+
+def backed_off(micro_batch: int, largest: int) -> int:
+    """Where OOM recovery's halving lands, starting from ``micro_batch``, when ``largest`` fits."""
+    while micro_batch > max(largest, 1):
+        micro_batch //= 2
+    return micro_batch
+
+
+def skipped(reason: str) -> Dict[str, Any]:
+    return {"skipped": True, "summary": f"skipped: {reason}"}
 
 
 def doctor_config(cfg: DictConfig) -> DictConfig:
@@ -246,7 +264,8 @@ def leak_check(step: Callable[[], Any], device: torch.device, steps: int) -> Dic
     return section
 
 
-def static_checks(trainer: Trainer, x: torch.Tensor, y: torch.Tensor, fit: Dict[str, Any]) -> List[Dict[str, Any]]:
+def static_checks(trainer: Trainer, x: torch.Tensor, y: torch.Tensor, fit: Dict[str, Any],
+                  configured_micro_batch: int) -> List[Dict[str, Any]]:
     """What the framework can verify by running its own loop once, with hooks watching the model."""
     seen: Dict[str, List[tuple]] = {"train": [], "eval": []}
     phase = "train"
@@ -260,6 +279,8 @@ def static_checks(trainer: Trainer, x: torch.Tensor, y: torch.Tensor, fit: Dict[
             trainer.model.train()
             loss = trainer.train_step(x, y)
             phase = "eval"
+            # An eval batch no larger than the training batch that fits: the doctor itself must not run out.
+            trainer.val_batches.plan.batch_size = min(trainer.eval_batch_size, fit["largest_micro_batch"])
             trainer.evaluate(trainer.val_batches)
     finally:
         handle.remove()
@@ -277,11 +298,11 @@ def static_checks(trainer: Trainer, x: torch.Tensor, y: torch.Tensor, fit: Dict[
               "train_step returns a loss with its graph: accumulate loss.detach() or loss.item()"),
     ]
     largest, per_process = fit["largest_micro_batch"], trainer.cfg.batch_size // trainer.env.world_size
-    fits = largest >= trainer.micro_batch or fit["bounded_by_max_probe_batch"]
+    fits = largest >= configured_micro_batch or fit["bounded_by_max_probe_batch"]
     checks.append(check("the configured micro-batch fits", fits,
-                        f"micro-batch {trainer.micro_batch} is within the {largest} that fit",
-                        f"micro-batch {trainer.micro_batch} is above the {largest} that fit: training will back off to "
-                        f"{largest} or set trainer.accumulate_grad_batches={math.ceil(per_process / max(largest, 1))}; "
+                        f"micro-batch {configured_micro_batch} is within the {largest} that fit",
+                        f"micro-batch {configured_micro_batch} is above the {largest} that fit: training will halve it to "
+                        f"{backed_off(configured_micro_batch, largest)}, or set trainer.accumulate_grad_batches={math.ceil(per_process / max(largest, 1))}; "
                         "mixed precision (trainer.precision=bf16) or a smaller model also lower memory"))
     if trainer.env.device.type == "cuda":
         checks.append(check("mixed precision on CUDA", str(trainer.cfg.trainer.precision) != "32",

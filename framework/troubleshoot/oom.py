@@ -138,7 +138,7 @@ class OOMRecovery:
         self.backoffs, self.eval_backoffs, self.failure = 0, 0, ""
         agreed = self.enabled and env.world_size > 1
         self.sync = AgreedSync(env, model) if agreed else LocalSync(env, model)
-        if cfg.inject_oom_above_batch and cfg.inject_oom_rank in (-1, env.rank):
+        if cfg.inject_oom_above_batch >= 0 and cfg.inject_oom_rank in (-1, env.rank):
             unwrap(model).register_forward_pre_hook(functools.partial(_inject, limit=cfg.inject_oom_above_batch))
 
     def micro_batch(self, is_last: bool):
