@@ -103,17 +103,16 @@ def limited_run(tmp_path: Path, name: str, headroom_mb: int, *overrides: str) ->
                *REAL_OOM, f"paths.output_dir={tmp_path / 'outputs'}", *overrides]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads((run_dir / "result0.json").read_text()), run_dir
+    return json.loads((run_dir / "result0.json").read_text()), run_dir, done.stderr
 
 
 @pytest.mark.timeout(300)
 def test_real_cpu_oom_under_an_address_space_limit_recovers(tmp_path):
-    limited, limited_dir = limited_run(tmp_path, "limited", HEADROOM_MB)
+    limited, limited_dir, log_text = limited_run(tmp_path, "limited", HEADROOM_MB)
     assert limited["troubleshoot/oom_backoffs"] >= 1 and limited["micro_batch"] < 2048
-    assert "DefaultCPUAllocator: can't allocate memory" in (limited_dir / "train.log").read_text() or \
-        "can't allocate memory" in json.dumps(limited)
+    assert "Out of memory at micro-batch 2048" in log_text and "DefaultCPUAllocator: can't allocate memory" in log_text
     accumulate = 2048 // limited["micro_batch"]
-    reference, reference_dir = limited_run(tmp_path, "reference", 0, f"trainer.accumulate_grad_batches={accumulate}")
+    reference, reference_dir, _ = limited_run(tmp_path, "reference", 0, f"trainer.accumulate_grad_batches={accumulate}")
     assert reference["micro_batch"] == limited["micro_batch"] and reference["troubleshoot/oom_backoffs"] == 0
     assert limited["step"] == reference["step"] == 4
     assert logged(limited_dir, "train/loss_running") == logged(reference_dir, "train/loss_running")
@@ -124,7 +123,8 @@ def test_real_cpu_oom_under_an_address_space_limit_recovers(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_ddp_ranks_agree_on_the_backoff_when_one_rank_runs_out(tmp_path, train):
-    overrides = [*SHRINK, "trainer.max_epochs=2", "logger=none", f"paths.output_dir={tmp_path / 'o'}",
+    # test_after_fit=false: the weights compared are the trained ones, not a reload of best.pt.
+    overrides = [*SHRINK, "trainer.max_epochs=2", "logger=none", "trainer.test_after_fit=false", f"paths.output_dir={tmp_path / 'o'}",
                  "troubleshoot.inject_oom_above_batch=16", "troubleshoot.inject_oom_rank=1"]
     run_dir = tmp_path / "ddp"
     run_dir.mkdir()
