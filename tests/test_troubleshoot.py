@@ -21,7 +21,7 @@ from framework.troubleshoot import DoesNotFitError, MemoryTracker, doctor as doc
 from troubleshoot_worker import resolved_config
 
 WORKER = REPO / "tests" / "troubleshoot_worker.py"
-FAST = ["trainer.max_epochs=2", "logger=csv", "trainer.log_every_n_steps=1"]
+FAST = ["trainer.max_epochs=1", "logger=csv", "trainer.log_every_n_steps=1"]
 
 
 def make_trainer(tmp_path: Path, *overrides: str) -> Trainer:
@@ -216,14 +216,14 @@ def test_leak_check_flags_a_loss_summed_with_its_graph_and_passes_the_framework_
         # every step's graph and the activations it saved stay alive.
         running_val_loss = running_val_loss + F.cross_entropy(trainer.model(val_x), val_y)
 
-    leaky = doctor_module.leak_check(leaky_step, trainer.env.device, 8)
+    leaky = doctor_module.leak_check(leaky_step, trainer.env.device, 6)
     assert leaky["leak"] and leaky["growth_mb"] > 0.25 and leaky["likely_causes"]
-    clean = doctor_module.leak_check(lambda: trainer.train_step(x, y), trainer.env.device, 8)
+    clean = doctor_module.leak_check(lambda: trainer.train_step(x, y), trainer.env.device, 6)
     assert not clean["leak"] and abs(clean["growth_mb"]) < 0.25
 
 
 def test_memory_is_tracked_every_epoch_and_reported(train):
-    metrics, run_dir = train(*FAST)
+    metrics, run_dir = train(*FAST, "trainer.max_epochs=2")
     peaks = logged(run_dir, "memory/peak_mb")
     assert len(peaks) == 2 and all(p > 0 for p in peaks)
     assert metrics["memory/peak_mb"] == max(peaks)
