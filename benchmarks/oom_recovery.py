@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from framework import run  # noqa: E402
@@ -76,6 +78,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
+    torch.set_num_threads(1)  # no idle threads spinning on a shared machine: CPU time then tracks the work done
     times = {"recovering": [], "settled": [], "restarting": []}
     with TemporaryDirectory() as tmp:
         settled_run(1, tmp)  # warm-up: imports, allocator, data generation code paths
