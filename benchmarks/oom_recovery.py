@@ -39,7 +39,7 @@ def since(started: tuple) -> tuple:
 
 
 def overrides(epochs: int, output_dir: str, *extra: str) -> list:
-    return ["data=synthetic", "data.num_samples=16384", f"batch_size={START}", f"trainer.max_epochs={epochs}",
+    return ["data=synthetic", "data.num_samples=65536", f"batch_size={START}", f"trainer.max_epochs={epochs}",
             "trainer.progress_bar=false", "logger=none", "checkpoint.enabled=false", "trainer.test_after_fit=false",
             f"paths.output_dir={output_dir}", f"troubleshoot.inject_oom_above_batch={SETTLES_AT}", *extra]
 
