@@ -124,7 +124,12 @@ def test_real_cpu_oom_under_an_address_space_limit_recovers(tmp_path):
 @pytest.mark.timeout(240)
 def test_ddp_ranks_agree_on_the_backoff_when_one_rank_runs_out(tmp_path, train):
     # test_after_fit=false: the weights compared are the trained ones, not a reload of best.pt.
-    overrides = [*SHRINK, "trainer.max_epochs=2", "logger=none", "trainer.test_after_fit=false", f"paths.output_dir={tmp_path / 'o'}",
+    # Batch norm: its buffers ride on the same all-reduce, and each micro-batch normalises alone.
+    # SGD, not Adam: batch norm zeroes the gradient of the digits' constant border pixels up to
+    # rounding, and Adam would scale that rounding noise (which differs with the order of sums) up to full steps.
+    model = ["model.batch_norm=true", "optimizer=sgd", "lr=0.05"]
+    overrides = [*SHRINK, "trainer.max_epochs=2", "logger=none", "trainer.test_after_fit=false", *model,
+                 f"paths.output_dir={tmp_path / 'o'}",
                  "troubleshoot.inject_oom_above_batch=16", "troubleshoot.inject_oom_rank=1"]
     run_dir = tmp_path / "ddp"
     run_dir.mkdir()
@@ -138,12 +143,17 @@ def test_ddp_ranks_agree_on_the_backoff_when_one_rank_runs_out(tmp_path, train):
         assert result["micro_batch"] == 16 and result["troubleshoot/oom_backoffs"] == 1
         assert result["troubleshoot/eval_batch_size"] == 16
     rank0, rank1 = (torch.load(run_dir / f"weights{rank}.pt") for rank in range(2))
-    assert_same_weights(rank0, rank1)
-    # The same training as one process with the whole batch of 64 in micro-batches of 16.
-    single, single_dir = train("trainer.max_epochs=2", "trainer.accumulate_grad_batches=4", "logger=none")
+    # Parameters and running statistics alike; num_batches_tracked is an integer count that
+    # also counts the forward rank 0 finished in the attempt that rank 1 ran out in.
+    floating = [name for name in rank0 if rank0[name].is_floating_point()]
+    assert_same_weights({n: rank0[n] for n in floating}, {n: rank1[n] for n in floating})
+    assert results[0]["val/loss"] == results[1]["val/loss"]
+    # The same parameters as one process with the whole batch of 64 in micro-batches of 16 (its
+    # running statistics differ: it updates them per micro-batch, the ranks average theirs).
+    single, single_dir = train("trainer.max_epochs=2", "trainer.accumulate_grad_batches=4", "logger=none", *model)
     assert results[0]["step"] == single["step"]
-    assert_same_weights(rank0, last_weights(single_dir), atol=1e-5)
-    assert results[0]["val/loss"] == pytest.approx(single["val/loss"], abs=1e-5)
+    parameters = [name for name in rank0 if not name.endswith(("running_mean", "running_var", "num_batches_tracked"))]
+    assert_same_weights({n: rank0[n] for n in parameters}, {n: last_weights(single_dir)[n] for n in parameters}, 1e-5)
 
 
 # --- doctor ------------------------------------------------------------------------------------

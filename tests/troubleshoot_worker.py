@@ -43,7 +43,8 @@ class GlooEnvironment(Environment):
     """What parallel=ddp provides, built here on this test's own process group."""
 
     def wrap(self, model):
-        return DistributedDataParallel(model.to(self.device))
+        # OOM recovery averages buffers in its own all-reduce; see AgreedSync.
+        return DistributedDataParallel(model.to(self.device), broadcast_buffers=False)
 
     def no_sync(self, model):
         return model.no_sync()

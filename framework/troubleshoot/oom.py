@@ -75,17 +75,23 @@ class AgreedSync:
     flag. After the last, the flag rides on the one all-reduce that averages the gradients
     (into a buffer allocated up front, so that all-reduce cannot itself run out of memory): a
     step costs one collective, as under DDP, without DDP's overlap of that all-reduce with
-    backward, plus one tiny flag all-reduce per further micro-batch. Per micro-batch flags
-    keep ranks in step even when each forward has collectives of its own (DDP's buffer sync).
+    backward, plus one tiny flag all-reduce per further micro-batch.
+
+    The same all-reduce averages the floating-point buffers (batch-norm running statistics).
+    DDP's own buffer broadcast must be off (``broadcast_buffers=False``): DDP decides whether
+    the next forward broadcasts in the previous forward's epilogue, which a forward that ran
+    out of memory never reaches, so the ranks would disagree on the next broadcast.
     """
 
     def __init__(self, env: Environment, model: nn.Module):
         self.env, self.model = env, model
         self.params = [p for p in unwrap(model).parameters() if p.requires_grad]
-        dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params), torch.float32)
-        self.buffer = torch.zeros(sum(p.numel() for p in self.params) + 1, dtype=dtype, device=env.device)
-        sizes = [p.numel() for p in self.params]
-        self.views = [view.view_as(p) for view, p in zip(self.buffer[:-1].split(sizes), self.params)]
+        self.buffers = [b for b in unwrap(model).buffers() if b.is_floating_point()]
+        tensors = self.params + self.buffers
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors), torch.float32)
+        self.buffer = torch.zeros(sum(t.numel() for t in tensors) + 1, dtype=dtype, device=env.device)
+        views = [view.view_as(t) for view, t in zip(self.buffer[:-1].split([t.numel() for t in tensors]), tensors)]
+        self.grad_views, self.buffer_views = views[:len(self.params)], views[len(self.params):]
         self.flag = torch.zeros(1, device=env.device)
 
     def micro_batch(self, is_last: bool) -> "_AgreedMicroBatch":
@@ -97,17 +103,22 @@ class AgreedSync:
             self.flag.fill_(float(ran_out))
             return int(self.env.all_reduce_sum(self.flag).item())
         if not ran_out:
-            for param, view in zip(self.params, self.views):
+            for param, view in zip(self.params, self.grad_views):
                 view.copy_(param.grad) if param.grad is not None else view.zero_()
+            for buffer, view in zip(self.buffers, self.buffer_views):
+                view.copy_(buffer)
         self.buffer[-1] = float(ran_out)
         reduced = self.env.all_reduce_sum(self.buffer)
         if reduced is not self.buffer:
             self.buffer.copy_(reduced)
         count = int(self.buffer[-1].item())
         if not count:
-            for param, view in zip(self.params, self.views):
+            self.buffer.div_(self.env.world_size)  # DDP averages gradients over ranks
+            for param, view in zip(self.params, self.grad_views):
                 if param.grad is not None:
-                    param.grad.copy_(view).div_(self.env.world_size)  # DDP averages over ranks
+                    param.grad.copy_(view)
+            for buffer, view in zip(self.buffers, self.buffer_views):
+                buffer.copy_(view)
         return count
 
 
