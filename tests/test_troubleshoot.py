@@ -115,8 +115,9 @@ def test_real_cpu_oom_under_an_address_space_limit_recovers(tmp_path):
     reference, reference_dir, _ = limited_run(tmp_path, "reference", 0, f"trainer.accumulate_grad_batches={accumulate}")
     assert reference["micro_batch"] == limited["micro_batch"] and reference["troubleshoot/oom_backoffs"] == 0
     assert limited["step"] == reference["step"] == 4
-    assert logged(limited_dir, "train/loss_running") == logged(reference_dir, "train/loss_running")
-    assert_same_weights(torch.load(limited_dir / "weights0.pt"), torch.load(reference_dir / "weights0.pt"))
+    # Equal up to rounding: oneDNN may pick another convolution algorithm with less memory to spare.
+    assert logged(limited_dir, "train/loss_running") == pytest.approx(logged(reference_dir, "train/loss_running"), abs=1e-6)
+    assert_same_weights(torch.load(limited_dir / "weights0.pt"), torch.load(reference_dir / "weights0.pt"), 1e-5)
 
 
 # --- ddp agreement -----------------------------------------------------------------------------

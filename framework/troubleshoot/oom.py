@@ -104,7 +104,10 @@ class AgreedSync:
             return int(self.env.all_reduce_sum(self.flag).item())
         if not ran_out:
             for param, view in zip(self.params, self.grad_views):
-                view.copy_(param.grad) if param.grad is not None else view.zero_()
+                if param.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(param.grad)
             for buffer, view in zip(self.buffers, self.buffer_views):
                 view.copy_(buffer)
         self.buffer[-1] = float(ran_out)
