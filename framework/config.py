@@ -99,6 +99,19 @@ class LoggerConfig:
 
 
 @dataclass
+class TroubleshootConfig:
+    oom_recovery: bool = True  # on out-of-memory: halve the micro-batch (or eval batch) and retry the same step
+    max_probe_batch: int = 4096  # doctor: the largest batch its fit probe tries
+    profile_steps: int = 5  # doctor: steps timed for the data-bound vs compute-bound verdict
+    leak_check_steps: int = 12  # doctor: identical steps whose memory the leak check follows
+    memory_growth_epochs: int = 3  # warn once when peak memory rises this many epochs in a row at one batch shape
+    # Testing aid: raise a synthetic out-of-memory error whenever a forward pass gets more
+    # than this many samples (-1: off; 0 fails every one), on every rank or only on inject_oom_rank.
+    inject_oom_above_batch: int = -1
+    inject_oom_rank: int = -1  # -1: every rank
+
+
+@dataclass
 class PathsConfig:
     root_dir: str = "${hydra:runtime.cwd}"
     output_dir: str = "${paths.root_dir}/outputs"
@@ -125,6 +138,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    troubleshoot: TroubleshootConfig = field(default_factory=TroubleshootConfig)
     search: Any = None
     experiment: Any = None
 
@@ -136,7 +150,7 @@ def register_configs() -> None:
 
 register_configs()
 
-TASKS = ("train",)
+TASKS = ("train", "doctor")
 DATA_SOURCES = ("digits", "synthetic", "csv", "tensors")
 LOADERS = ("auto", "memory", "dataloader")
 PRECISIONS = ("32", "bf16", "fp16")
@@ -178,6 +192,7 @@ def validate(cfg: DictConfig) -> None:
     _validate_data(cfg.data)
     _validate_trainer(cfg.trainer)
     _validate_parallel(cfg.parallel)
+    _validate_troubleshoot(cfg.troubleshoot)
     _one_of("logger.name", cfg.logger.name, LOGGERS)
     for group in ("checkpoint", "early_stopping"):
         _one_of(f"{group}.mode", cfg[group].mode, MODES)
@@ -227,3 +242,14 @@ def _validate_parallel(parallel: DictConfig) -> None:
     cuts = list(parallel.split)
     _require(all(0 < a < b for a, b in zip(cuts, cuts[1:] + [float("inf")])),
              f"parallel.split={cuts} is invalid; give increasing positive layer indices where the stages begin.")
+
+
+def _validate_troubleshoot(troubleshoot: DictConfig) -> None:
+    for key in ("max_probe_batch", "profile_steps", "memory_growth_epochs"):
+        _require(troubleshoot[key] >= 1, f"troubleshoot.{key}={troubleshoot[key]} is invalid; it must be at least 1.")
+    _require(troubleshoot.leak_check_steps >= 4,
+             f"troubleshoot.leak_check_steps={troubleshoot.leak_check_steps} is invalid; the leak check needs at least 4 steps.")
+    _require(troubleshoot.inject_oom_above_batch >= -1,
+             f"troubleshoot.inject_oom_above_batch={troubleshoot.inject_oom_above_batch} is invalid; use -1 (off) or a batch size.")
+    _require(troubleshoot.inject_oom_rank >= -1,
+             f"troubleshoot.inject_oom_rank={troubleshoot.inject_oom_rank} is invalid; use -1 (every rank) or a rank.")

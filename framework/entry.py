@@ -12,11 +12,12 @@ from omegaconf import DictConfig
 
 from framework.checkpoint import CheckpointError
 from framework.config import ConfigError, validate
+from framework.troubleshoot import DoesNotFitError
 
 log = logging.getLogger("framework")
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-USER_ERRORS = (ConfigError, CheckpointError)
+USER_ERRORS = (ConfigError, CheckpointError, DoesNotFitError)
 
 
 def execute(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:

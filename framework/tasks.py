@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 
 from framework import parallel
 from framework.trainer import Trainer
+from framework.troubleshoot.doctor import doctor
 
 log = logging.getLogger(__name__)
 
@@ -28,4 +29,4 @@ def fit(cfg: DictConfig, run_dir: Path, env: parallel.Environment) -> Metrics:
         trainer.close()
 
 
-TASKS: Dict[str, Callable[[DictConfig, Path], Metrics]] = {"train": train}
+TASKS: Dict[str, Callable[[DictConfig, Path], Metrics]] = {"train": train, "doctor": doctor}

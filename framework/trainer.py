@@ -27,6 +27,7 @@ from framework.optimizer import build_optimizer
 from framework.parallel import Environment, unwrap
 from framework.progress import ProgressBar
 from framework.scheduler import build_scheduler
+from framework.troubleshoot import MemoryTracker, OOMRecovery
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +76,13 @@ class Trainer:
         self.val_batches = eval_batches(self.data.val, cfg.data, env.device, env.rank, env.world_size,
                                         target_device=env.output_device)
         self.micro_batch = self._initial_micro_batch()
+        self.eval_batch_size = cfg.data.eval_batch_size
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.monitor, cfg.checkpoint.mode,
                                          cfg.checkpoint.enabled, env.is_main)
         self.early_stopping = EarlyStopping(**cfg.early_stopping)
         self.logger = build_logger(cfg.logger, self.run_dir, env.is_main, OmegaConf.to_container(cfg, resolve=True))
+        self.oom = OOMRecovery(cfg.troubleshoot, env, self.model, self.optimizer, self.spec, self.data.input_shape)
+        self.memory = MemoryTracker(env.device, cfg.troubleshoot.memory_growth_epochs)
         self.epoch, self.step, self.batch_in_epoch = 0, 0, 0
         self.stop_reason = ""
         self._maybe_resume()
@@ -187,19 +191,9 @@ class Trainer:
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One optimizer step over a batch, in micro-batches; returns the batch's mean loss (detached)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        batch_loss = torch.zeros((), device=self.env.output_device)
-        micro_x, micro_y = x.split(self.micro_batch), y.split(self.micro_batch)
-        last = len(micro_y) - 1
-        for i, (xs, ys) in enumerate(zip(micro_x, micro_y)):
-            # Gradients are synchronised across processes once, on the last micro-batch.
-            with self.env.no_sync(self.model) if i < last else contextlib.nullcontext():
-                with self.precision.autocast():
-                    loss = F.cross_entropy(self.model(xs), ys)
-                # Weight each micro-batch by its share, so the gradient equals the full batch's.
-                share = len(ys) / len(y)
-                self.precision.scaler.scale(loss * share).backward()
-            batch_loss += loss.detach() * share
+        # Out of memory: halve the micro-batch and retry this same step (troubleshoot/oom.py).
+        while (batch_loss := self.oom.attempt(self.accumulate_gradients, x, y)) is None:
+            self.micro_batch = self.oom.back_off(self.micro_batch, len(y), self.step, self.logger)
         clip = self.cfg.trainer.gradient_clip_val
         if clip:
             self.precision.scaler.unscale_(self.optimizer)
@@ -207,6 +201,23 @@ class Trainer:
         self.precision.scaler.step(self.optimizer)
         self.precision.scaler.update()
         self.scheduler.after_step()
+        return batch_loss
+
+    def accumulate_gradients(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward over the batch in micro-batches; returns the batch's mean loss (detached)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        batch_loss = torch.zeros((), device=self.env.output_device)
+        micro_x, micro_y = x.split(self.micro_batch), y.split(self.micro_batch)
+        last = len(micro_y) - 1
+        for i, (xs, ys) in enumerate(zip(micro_x, micro_y)):
+            # Gradients are synchronised across processes once; where, the OOM guard decides.
+            with self.oom.micro_batch(i == last):
+                with self.precision.autocast():
+                    loss = F.cross_entropy(self.model(xs), ys)
+                # Weight each micro-batch by its share, so the gradient equals the full batch's.
+                share = len(ys) / len(y)
+                self.precision.scaler.scale(loss * share).backward()
+            batch_loss += loss.detach() * share
         return batch_loss
 
     def log_train_window(self, loss_sum: torch.Tensor, steps: int, window_start: int, window_time: float,
@@ -228,9 +239,24 @@ class Trainer:
 
     @torch.inference_mode()
     def evaluate(self, batches) -> Dict[str, float]:
-        """Mean loss and accuracy over a split, summed across processes; no graph is built."""
+        """Mean loss and accuracy over a split, summed across processes; no graph is built.
+
+        If any process runs out of memory, all of them halve the eval batch and redo the pass.
+        """
         self.model.eval()
-        totals = torch.zeros(3, dtype=torch.float64, device=self.env.output_device)  # loss sum, correct, count
+        while True:
+            totals = self.oom.attempt(self.eval_totals, batches)
+            if totals is None:
+                totals = torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64, device=self.env.output_device)
+            loss_sum, correct, count, out_of_memory = self.env.all_reduce_sum(totals).tolist()
+            if not out_of_memory:
+                return {"loss": loss_sum / count, "acc": correct / count}
+            self.eval_batch_size = batches.plan.batch_size = self.oom.back_off_eval(self.eval_batch_size, self.step,
+                                                                                    self.logger)
+
+    def eval_totals(self, batches) -> torch.Tensor:
+        # loss sum, correct, count, and a flag the other processes read if this one runs out of memory
+        totals = torch.zeros(4, dtype=torch.float64, device=self.env.output_device)
         for x, y in batches:
             if not batches.on_device:
                 x, y = x.to(self.env.device), y.to(self.env.output_device)
@@ -239,8 +265,7 @@ class Trainer:
             totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
             totals[1] += (logits.argmax(1) == y).sum()
             totals[2] += len(y)
-        loss_sum, correct, count = self.env.all_reduce_sum(totals).tolist()
-        return {"loss": loss_sum / count, "acc": correct / count}
+        return totals
 
     def end_epoch(self, train_loss: float, progress: ProgressBar) -> Dict[str, float]:
         val = self.evaluate(self.val_batches)
@@ -256,6 +281,7 @@ class Trainer:
         metrics["epoch"] = self.epoch
         self.logger.log_metrics(metrics, self.step)
         self.logger.log_histograms(unwrap(self.model), self.epoch - 1)
+        self.memory.end_epoch(self.logger, self.step, (self.micro_batch, self.eval_batch_size))
         self.checkpointer.maybe_save(self.state, metrics)
         progress.show({"val_acc": val["acc"], "val_loss": val["loss"]})
         log.info("epoch %d  step %d  train/loss %.4f  val/loss %.4f  val/acc %.4f",
@@ -271,6 +297,7 @@ class Trainer:
                  "train_seconds": train_seconds,
                  "samples_per_second": steps_run * self.cfg.batch_size / train_seconds if train_seconds else 0.0}
         final.update(self.test_best())
+        final.update(self.oom.summary(self.micro_batch, self.eval_batch_size), **self.memory.summary())
         self.log_sample_predictions()
         self.logger.log_hparams(self.hparams(), {k: v for k, v in final.items() if "/" in k})
         if self.env.is_main:
@@ -286,7 +313,7 @@ class Trainer:
             # The checkpoint of the best epoch, not the last weights, is what a user would ship.
             unwrap(self.model).load_state_dict(load_checkpoint(self.checkpointer.best)["model"])
         test = self.evaluate(eval_batches(self.data.test, self.cfg.data, self.env.device, self.env.rank, self.env.world_size,
-                                          target_device=self.env.output_device))
+                                          batch_size=self.eval_batch_size, target_device=self.env.output_device))
         return {"test/loss": test["loss"], "test/acc": test["acc"]}
 
     def log_sample_predictions(self) -> None:

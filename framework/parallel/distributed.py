@@ -44,12 +44,16 @@ LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 @dataclass
 class DistributedEnvironment(Environment):
     sync_batchnorm: bool = False
+    # Off when OOM recovery is on: its agreed all-reduce averages the buffers itself, and DDP's
+    # broadcast schedule would desynchronise after a forward that ran out of memory (troubleshoot/oom.py).
+    broadcast_buffers: bool = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model.to(self.device), device_ids=device_ids)
+        return DistributedDataParallel(model.to(self.device), device_ids=device_ids,
+                                       broadcast_buffers=self.broadcast_buffers)
 
     def no_sync(self, model: nn.Module):
         return model.no_sync()
@@ -112,7 +116,8 @@ def join_group(cfg: DictConfig, rank: int, world_size: int, local_rank: int) -> 
     backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.parallel.timeout_s))
     return DistributedEnvironment(device=device, rank=rank, world_size=world_size,
-                                  sync_batchnorm=cfg.parallel.sync_batchnorm)
+                                  sync_batchnorm=cfg.parallel.sync_batchnorm,
+                                  broadcast_buffers=not cfg.troubleshoot.oom_recovery)
 
 
 def log_as_rank(rank: int, log_file: Path) -> None:
