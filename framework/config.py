@@ -96,6 +96,25 @@ class LoggerConfig:
     wandb_mode: str = "offline"  # offline needs no account and no network
 
 
+@dataclass(init=False, repr=False, eq=False)
+class FinetuneConfig:
+    # `from` is a Python keyword, so it enters the schema through the class namespace, and
+    # the generated __init__/__repr__/__eq__ (which would spell it out) are switched off:
+    # Hydra only reads the fields and their defaults.
+    __annotations__["from"] = str
+    vars()["from"] = ""  # a checkpoint, a run dir (its best checkpoint) or outputs/<name> (its latest run)
+    strict: bool = True  # refuse missing, unexpected or shape-mismatched weights
+    head: str = ""  # the output layer to re-initialise; "": the model's head_name
+    freeze: List[str] = field(default_factory=list)  # glob patterns over parameter names
+    unfreeze_at_epoch: int = -1  # -1: never
+    backbone_lr_factor: float = 1.0  # scales lr for the frozen parameters once they train
+
+
+@dataclass
+class EvalConfig:
+    split: str = "val"  # the split task=eval scores: val | test
+
+
 @dataclass
 class PathsConfig:
     root_dir: str = "${hydra:runtime.cwd}"
@@ -122,6 +141,8 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    finetune: FinetuneConfig = field(default_factory=lambda: FinetuneConfig)  # the class: it has no __init__
+    eval: EvalConfig = field(default_factory=EvalConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     search: Any = None
     experiment: Any = None
@@ -134,7 +155,8 @@ def register_configs() -> None:
 
 register_configs()
 
-TASKS = ("train",)
+TASKS = ("train", "eval", "export")
+SPLITS = ("val", "test")
 DATA_SOURCES = ("digits", "synthetic", "csv", "tensors")
 LOADERS = ("auto", "memory", "dataloader")
 PRECISIONS = ("32", "bf16", "fp16")
@@ -186,6 +208,11 @@ def validate(cfg: DictConfig) -> None:
         _one_of("scheduler.interval", cfg.scheduler.interval, ("epoch", "step"))
         _importable("scheduler.build._target_", cfg.scheduler.build._target_)
     _require(cfg.resume in ("", "auto") or Path(cfg.resume).is_file(), f"resume={cfg.resume!r} is neither 'auto' nor an existing checkpoint file.")
+    if cfg.task in ("eval", "export"):
+        _require(bool(cfg.ckpt), f"task={cfg.task} needs ckpt=PATH, a checkpoint file or a run dir.")
+        _require(Path(cfg.ckpt).exists(), f"ckpt={cfg.ckpt!r} does not exist.")
+    _one_of("eval.split", cfg.eval.split, SPLITS)
+    _validate_finetune(cfg.finetune)
 
 
 def _validate_data(data: DictConfig) -> None:
@@ -210,3 +237,16 @@ def _validate_trainer(trainer: DictConfig) -> None:
              f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches} is invalid; it must be at least 1.")
     _require(trainer.gradient_clip_val >= 0, f"trainer.gradient_clip_val={trainer.gradient_clip_val} is invalid; use 0 (off) or a positive norm.")
     _require(trainer.log_every_n_steps >= 1, f"trainer.log_every_n_steps={trainer.log_every_n_steps} is invalid; it must be at least 1.")
+
+
+def _validate_finetune(finetune: DictConfig) -> None:
+    source = finetune["from"]
+    _require(not source or Path(source).exists(), f"finetune.from={source!r} does not exist; give a checkpoint file, a run dir or outputs/<name>.")
+    _require(finetune.unfreeze_at_epoch >= -1,
+             f"finetune.unfreeze_at_epoch={finetune.unfreeze_at_epoch} is invalid; use -1 (never) or the epoch to unfreeze at.")
+    _require(finetune.unfreeze_at_epoch == -1 or bool(finetune.freeze),
+             f"finetune.unfreeze_at_epoch={finetune.unfreeze_at_epoch} has nothing to unfreeze; set finetune.freeze=[PATTERN,...] too.")
+    _require(finetune.backbone_lr_factor > 0, f"finetune.backbone_lr_factor={finetune.backbone_lr_factor} is invalid; it must be positive.")
+    _require(finetune.backbone_lr_factor == 1.0 or finetune.unfreeze_at_epoch >= 0,
+             f"finetune.backbone_lr_factor={finetune.backbone_lr_factor} has no effect: it scales the frozen parameters' "
+             "learning rate once they train, so set finetune.unfreeze_at_epoch too.")

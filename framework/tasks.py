@@ -8,6 +8,8 @@ from typing import Callable, Dict
 from omegaconf import DictConfig
 
 from framework import parallel
+from framework.evaluate import evaluate_checkpoint
+from framework.export import export
 from framework.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -23,4 +25,4 @@ def train(cfg: DictConfig, run_dir: Path) -> Metrics:
         trainer.close()
 
 
-TASKS: Dict[str, Callable[[DictConfig, Path], Metrics]] = {"train": train}
+TASKS: Dict[str, Callable[[DictConfig, Path], Metrics]] = {"train": train, "eval": evaluate_checkpoint, "export": export}
