@@ -20,14 +20,13 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from framework.checkpoint import (FORMAT, CheckpointError, checked_spec, read_weights_only,
                                   resolve_checkpoint_path)
 from framework.config import ConfigError
-from framework.model import model_spec, shape_kwargs
+from framework.model import model_spec
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +92,8 @@ class Finetuner:
         spec = copy.deepcopy(checked_spec(saved, self.source))
         for key in keys:
             spec[key] = OmegaConf.to_container(model_cfg, resolve=True)[key]
-        spec.update(shape_kwargs(get_object(spec["_target_"]), input_shape, num_classes))
+        # The shapes follow this run's data: a new class count gets a new head.
+        spec.update({k: v for k, v in (("input_shape", list(input_shape)), ("num_classes", num_classes)) if k in spec})
         log.info("finetune.from=%s: architecture %s from the checkpoint%s.", self.source, spec["_target_"],
                  f", with model.{{{','.join(sorted(keys))}}} from the command line" if keys else "")
         return spec
