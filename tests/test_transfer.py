@@ -9,9 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import read_metrics
+from conftest import SHRINK, read_metrics
 from framework.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
 from framework.config import ConfigError
+from framework.entry import run
 from framework.export import load_artifact
 
 QUIET = ["logger=none"]
@@ -22,15 +23,19 @@ def weights(run_dir: Path, name: str = "last.pt"):
     return load_checkpoint(run_dir / "checkpoints" / name)["model"]
 
 
-@pytest.fixture
-def pretrained(train):
-    """A CNN with BatchNorm trained on digits 0-4: (metrics, run_dir)."""
-    return train("model=cnn", "model.batch_norm=true", LOW_DIGITS, "trainer.max_epochs=2", *QUIET)
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A CNN with BatchNorm trained on digits 0-4, shared by the tests that only read it: (metrics, run_dir)."""
+    root = tmp_path_factory.mktemp("pretrained")
+    overrides = [*SHRINK, f"paths.output_dir={root / 'outputs'}", "model=cnn", "model.batch_norm=true", LOW_DIGITS,
+                 "trainer.max_epochs=2", *QUIET]
+    return run(overrides, run_dir=str(root / "run")), root / "run"
 
 
 def test_frozen_weights_stay_bit_identical_while_the_new_head_trains(train, pretrained):
     _, source = pretrained
-    metrics, run_dir = train(HIGH_DIGITS, f"finetune.from={source}", "finetune.freeze=[conv*]", "lr=5e-3", *QUIET)
+    metrics, run_dir = train(HIGH_DIGITS, f"finetune.from={source}", "finetune.freeze=[conv*]", "lr=5e-3",
+                             "trainer.max_epochs=2", *QUIET)
     before, after = weights(source, "best.pt"), weights(run_dir)
     frozen = [k for k in before if k.startswith("conv")]
     assert any("running_mean" in k for k in frozen)  # frozen BatchNorm kept its statistics: it stayed in eval mode
@@ -80,13 +85,14 @@ def test_a_freeze_pattern_that_matches_nothing_is_refused(train, pretrained):
         train(HIGH_DIGITS, f"finetune.from={pretrained[1]}", "finetune.freeze=[features.*]", *QUIET)
 
 
-def test_the_shipped_example_pair_beats_chance_by_far_on_digits_5_to_9(train):
-    # digits_pretrain shrunk to 3 epochs of a narrower CNN; digits_finetune exactly as shipped.
-    _, source = train("experiment=digits_pretrain", *QUIET)
-    metrics, run_dir = train("experiment=digits_finetune", f"finetune.from={source}", "trainer.progress_bar=false",
-                             *QUIET, shrink=False)
-    assert metrics["epoch"] == 2 and "architecture framework.model.CNN from the checkpoint" in (run_dir / "train.log").read_text()
-    assert metrics["val/acc"] >= 0.75 and metrics["test/acc"] >= 0.75
+def test_the_shipped_example_pair_reaches_65_percent_on_digits_5_to_9(train):
+    # digits_pretrain shortened to 3 of its 10 epochs; digits_finetune exactly as shipped.
+    quiet = ["trainer.progress_bar=false", *QUIET]
+    _, source = train("experiment=digits_pretrain", "trainer.max_epochs=3", *quiet, shrink=False)
+    metrics, run_dir = train("experiment=digits_finetune", f"finetune.from={source}", *quiet, shrink=False)
+    log = (run_dir / "train.log").read_text()
+    assert "architecture framework.model.CNN from the checkpoint" in log and "18,816 frozen parameters" in log
+    assert metrics["epoch"] == 2 and metrics["val/acc"] >= 0.65 and metrics["test/acc"] >= 0.65
 
 
 def test_eval_reproduces_the_training_runs_metrics_exactly(train, cli, tmp_path):
