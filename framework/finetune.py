@@ -8,8 +8,9 @@ eval mode and unfreezes on schedule. With ``finetune.from`` empty and no ``freez
 step is a no-op.
 
 The architecture is the checkpoint's saved ``model_spec``; the command line overrides it
-with ``model=NAME`` (a new architecture: weights load where names and shapes match) or
-``model.KEY=VALUE`` (that key changed on top of the checkpoint's). Model keys set by an
+with ``model=NAME`` or ``model._target_=CLASS`` (a new architecture: weights load where
+names and shapes match) or ``model.KEY=VALUE`` (that key changed on top of the checkpoint's,
+when the model takes it). Model keys set by an
 experiment file or the defaults do not count: they were not written for this checkpoint.
 """
 from __future__ import annotations
@@ -20,13 +21,14 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set, Tuple
 
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from framework.checkpoint import (FORMAT, CheckpointError, checked_spec, read_weights_only,
                                   resolve_checkpoint_path)
 from framework.config import ConfigError
-from framework.model import model_spec
+from framework.model import accepted_keys, model_spec
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +58,10 @@ def read_pretrained(path: Path) -> Dict[str, Any]:
     """A runlab checkpoint, or a plain state dict of tensors (e.g. another library's weights file),
     read without unpickling code."""
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise CheckpointError(f"{path} is a safetensors file; reading it needs the safetensors package.") from None
         try:
             return {"model": load_file(str(path))}
         except Exception as error:
@@ -87,11 +91,13 @@ class Finetuner:
     def model_spec(self, model_cfg: DictConfig, input_shape: Tuple[int, ...], num_classes: int) -> Dict[str, Any]:
         saved = self.pretrained.get("model_spec")
         replaced, keys = command_line_overrides("model")
-        if saved is None or replaced:
+        if saved is None or replaced or "_target_" in keys:
             return model_spec(model_cfg, input_shape, num_classes)
         spec = copy.deepcopy(checked_spec(saved, self.source))
-        for key in keys:
-            spec[key] = OmegaConf.to_container(model_cfg, resolve=True)[key]
+        accepted = accepted_keys(get_object(spec["_target_"]))
+        keys = {k for k in keys if accepted is None or k in accepted}  # e.g. model.width for a model without one
+        given = OmegaConf.to_container(model_cfg, resolve=True)
+        spec.update({key: given[key] for key in keys})
         # The shapes follow this run's data: a new class count gets a new head.
         spec.update({k: v for k, v in (("input_shape", list(input_shape)), ("num_classes", num_classes)) if k in spec})
         log.info("finetune.from=%s: architecture %s from the checkpoint%s.", self.source, spec["_target_"],

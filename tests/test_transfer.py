@@ -85,6 +85,17 @@ def test_a_freeze_pattern_that_matches_nothing_is_refused(train, pretrained):
         train(HIGH_DIGITS, f"finetune.from={pretrained[1]}", "finetune.freeze=[features.*]", *QUIET)
 
 
+def test_a_model_without_head_name_needs_finetune_head_when_the_labels_change(train):
+    _, source = train("model._target_=usermodels.TinyNet", LOW_DIGITS, "trainer.max_epochs=1", *QUIET)
+    with pytest.raises(ConfigError, match="TinyNet declares no head_name.*finetune.head=MODULE"):
+        train(HIGH_DIGITS, f"finetune.from={source}", "trainer.max_epochs=1", *QUIET)
+    _, run_dir = train(HIGH_DIGITS, f"finetune.from={source}", "finetune.head=net.3", "finetune.freeze=[net.1.*]",
+                       "trainer.max_epochs=1", *QUIET)
+    assert "loaded 2 tensors, re-initialised 2 (head)" in (run_dir / "train.log").read_text()
+    before, after = weights(source), weights(run_dir)
+    assert torch.equal(before["net.1.weight"], after["net.1.weight"]) and not torch.equal(before["net.3.weight"], after["net.3.weight"])
+
+
 def test_the_shipped_example_pair_reaches_65_percent_on_digits_5_to_9(train):
     # digits_pretrain shortened to 3 of its 10 epochs; digits_finetune exactly as shipped.
     quiet = ["trainer.progress_bar=false", *QUIET]
