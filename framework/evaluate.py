@@ -15,7 +15,7 @@ from typing import Any, Dict, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework.checkpoint import load_checkpoint, model_from_state
+from framework.checkpoint import load_checkpoint, model_from_state, resolve_checkpoint_path
 from framework.config import ConfigError
 from framework.data import build_data, eval_batches
 from framework.finetune import command_line_overrides
@@ -40,7 +40,8 @@ def checkpoint_config(cfg: DictConfig, state: Dict[str, Any], groups: Sequence[s
 
 
 def evaluate_checkpoint(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:
-    state = load_checkpoint(cfg.ckpt)
+    path = resolve_checkpoint_path(cfg.ckpt)
+    state = load_checkpoint(path)
     saved = checkpoint_config(cfg, state, OVERRIDABLE)
     # One process, whatever the training run used: scoring needs no gradients to share.
     env = Environment(device=resolve_device(saved.device))
@@ -52,11 +53,11 @@ def evaluate_checkpoint(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:
     split = cfg.eval.split
     if not len(data.split(split)):
         raise ConfigError(f"eval.split={split} is empty for this data (data.{split}_fraction={saved.data[f'{split}_fraction']}).")
-    model = env.wrap(model_from_state(state, cfg.ckpt))
+    model = env.wrap(model_from_state(state, path))
     batches = eval_batches(data.split(split), saved.data, env.device)
     scores = evaluate(model, batches, env, Precision(str(saved.trainer.precision), env.device))
     metrics = {f"{split}/loss": scores["loss"], f"{split}/acc": scores["acc"], "epoch": state["epoch"], "step": state["step"]}
-    log.info("%s at epoch %d, step %d, on %d %s samples: %s/loss %.6f  %s/acc %.6f", cfg.ckpt, state["epoch"], state["step"],
+    log.info("%s at epoch %d, step %d, on %d %s samples: %s/loss %.6f  %s/acc %.6f", path, state["epoch"], state["step"],
              len(data.split(split)), split, split, scores["loss"], split, scores["acc"])
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     log.info("Metrics written to %s.", run_dir / "metrics.json")

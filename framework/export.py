@@ -22,7 +22,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from framework.checkpoint import CheckpointError, checked_spec, load_checkpoint, model_from_state
+from framework.checkpoint import (CheckpointError, checked_spec, load_checkpoint, model_from_state,
+                                  resolve_checkpoint_path)
 from framework.data import build_data
 from framework.evaluate import checkpoint_config
 from framework.finetune import read_pretrained
@@ -37,15 +38,16 @@ WEIGHT_FILES = ("weights.safetensors", "weights.pt")
 
 
 def export(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:
-    state = load_checkpoint(cfg.ckpt)
-    model = model_from_state(state, cfg.ckpt).eval()
+    path = resolve_checkpoint_path(cfg.ckpt)
+    state = load_checkpoint(path)
+    model = model_from_state(state, path).eval()
     saved = checkpoint_config(cfg, state, ("data",))
     sample = build_data(saved.data, saved.seed).val.x[:SAMPLE_SIZE]
     directory = Path(run_dir) / "artifact"
     directory.mkdir(parents=True, exist_ok=True)
     manifest = {"format": FORMAT, "version": VERSION, "program": write_program(model, sample, directory),
                 "weights": write_weights(model, directory), "model_spec": "model_spec.json", "config": "config.yaml",
-                "input_shape": list(sample.shape[1:]), "source": str(cfg.ckpt), "torch": torch.__version__}
+                "input_shape": list(sample.shape[1:]), "source": str(path), "torch": torch.__version__}
     (directory / "model_spec.json").write_text(json.dumps(state["model_spec"], indent=2) + "\n")
     (directory / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(state["config"])))
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -53,7 +55,7 @@ def export(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:
     manifest["verified_max_abs_diff"] = differences
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     log.info("Exported %s to %s: %s. On a sample batch of %d the outputs equal the original's (max abs diff %s).",
-             cfg.ckpt, directory, ", ".join(sorted(p.name for p in directory.iterdir())), len(sample), differences)
+             path, directory, ", ".join(sorted(p.name for p in directory.iterdir())), len(sample), differences)
     metrics = {f"export/max_abs_diff_{name}": value for name, value in differences.items()}
     (Path(run_dir) / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
