@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 import torch
+from hydra.utils import get_object
 from torch import nn
 
 from framework.model import build_model
@@ -58,23 +59,28 @@ def save_checkpoint(state: Dict[str, Any], path: Path) -> None:
 
 
 def resolve_checkpoint_path(path: str | Path) -> Path:
-    """A checkpoint file, or a run dir (its best checkpoint, else its last)."""
+    """A checkpoint file, a run dir (its best checkpoint, else its last), or a folder of runs
+    such as outputs/<name> (its most recently written run)."""
     path = Path(path)
     if path.is_dir():
+        run_dir = path
+        if not (path / "checkpoints").is_dir():
+            latest = find_latest_checkpoint(path, exclude=None)
+            run_dir = latest.parent.parent if latest else path
         for name in ("best.pt", "last.pt"):
-            if (path / "checkpoints" / name).is_file():
-                return path / "checkpoints" / name
-        raise CheckpointError(f"{path} is a directory without checkpoints/best.pt or checkpoints/last.pt.")
+            if (run_dir / "checkpoints" / name).is_file():
+                return run_dir / "checkpoints" / name
+        raise CheckpointError(f"{path} is a directory without checkpoints/best.pt or checkpoints/last.pt, "
+                              "and no run below it has one.")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist.")
     return path
 
 
-def load_checkpoint(path: str | Path) -> Dict[str, Any]:
-    """Load with ``weights_only=True``: a checkpoint is untrusted input and must never run code."""
-    path = resolve_checkpoint_path(path)
+def read_weights_only(path: Path) -> Any:
+    """``torch.load`` with ``weights_only=True``: a file is untrusted input and must never run code."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         refused = [line.strip() for line in str(error).splitlines() if "GLOBAL" in line]
         if refused:  # the file names Python code to run on unpickling: never ours, never executed
@@ -82,17 +88,51 @@ def load_checkpoint(path: str | Path) -> Dict[str, Any]:
         raise CheckpointError(f"{path} is corrupt or truncated and cannot be read.") from None
     except Exception as error:
         raise CheckpointError(f"{path} is corrupt or truncated and cannot be read ({type(error).__name__}).") from None
+
+
+def load_checkpoint(path: str | Path) -> Dict[str, Any]:
+    path = resolve_checkpoint_path(path)
+    state = read_weights_only(path)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a runlab checkpoint (it lacks the runlab format marker).")
     return state
 
 
+def checked_spec(spec: Any, source: str | Path) -> Dict[str, Any]:
+    """A model spec read from a file, refused unless it only constructs a ``torch.nn.Module`` class.
+
+    ``instantiate`` calls whatever ``_target_`` names, so a crafted file could otherwise name
+    ``os.system``; nested ``_target_`` keys would be called too, so none may appear.
+    """
+    target = spec.get("_target_") if isinstance(spec, dict) else None
+    try:
+        resolved = get_object(target) if isinstance(target, str) else None
+    except Exception:
+        resolved = None
+    if not (isinstance(resolved, type) and issubclass(resolved, nn.Module)):
+        raise CheckpointError(f"{source} was refused: its model_spec._target_={target!r} is not an importable "
+                              "torch.nn.Module class, and nothing else is constructed from a file.")
+    if any(_names_target(value) for key, value in spec.items() if key != "_target_"):
+        raise CheckpointError(f"{source} was refused: its model_spec has nested _target_ keys, which would call code.")
+    return spec
+
+
+def _names_target(value: Any) -> bool:
+    if isinstance(value, dict):
+        return "_target_" in value or any(_names_target(v) for v in value.values())
+    return isinstance(value, (list, tuple)) and any(_names_target(v) for v in value)
+
+
+def model_from_state(state: Dict[str, Any], source: str | Path) -> nn.Module:
+    """The checkpoint's model with its weights, built from its saved constructor call."""
+    model = build_model(checked_spec(state.get("model_spec"), source))
+    model.load_state_dict(state["model"])
+    return model
+
+
 def load_model(path: str | Path, device: str = "cpu") -> nn.Module:
     """Rebuild a trained model from a checkpoint alone, in eval mode: the way to share a run."""
-    state = load_checkpoint(path)
-    model = build_model(state["model_spec"])
-    model.load_state_dict(state["model"])
-    return model.to(device).eval()
+    return model_from_state(load_checkpoint(path), path).to(device).eval()
 
 
 # --- RNG state -------------------------------------------------------------------------
@@ -222,7 +262,7 @@ class EarlyStopping:
         self.tracker.best, self.bad_epochs = state["best"], state["bad_epochs"]
 
 
-def find_latest_checkpoint(search_dir: Path, exclude: Path) -> Optional[Path]:
-    """The most recently written last.pt under ``search_dir`` outside the current run (resume=auto)."""
+def find_latest_checkpoint(search_dir: Path, exclude: Optional[Path]) -> Optional[Path]:
+    """The most recently written last.pt under ``search_dir`` outside the run dir ``exclude``."""
     candidates = [p for p in Path(search_dir).glob("**/checkpoints/last.pt") if exclude not in p.parents]
     return max(candidates, key=lambda p: p.stat().st_mtime, default=None)

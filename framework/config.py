@@ -98,6 +98,25 @@ class LoggerConfig:
     wandb_mode: str = "offline"  # offline needs no account and no network
 
 
+@dataclass(init=False, repr=False, eq=False)
+class FinetuneConfig:
+    # `from` is a Python keyword, so it enters the schema through the class namespace, and
+    # the generated __init__/__repr__/__eq__ (which would spell it out) are switched off:
+    # Hydra only reads the fields and their defaults.
+    __annotations__["from"] = str
+    vars()["from"] = ""  # a checkpoint, a run dir (its best checkpoint) or outputs/<name> (its latest run)
+    strict: bool = True  # refuse missing, unexpected or shape-mismatched weights
+    head: str = ""  # the output layer to re-initialise; "": the model's head_name
+    freeze: List[str] = field(default_factory=list)  # glob patterns over parameter names
+    unfreeze_at_epoch: int = -1  # -1: never
+    backbone_lr_factor: float = 1.0  # scales lr for the frozen parameters once they train
+
+
+@dataclass
+class EvalConfig:
+    split: str = "val"  # the split task=eval scores: val | test
+
+
 @dataclass
 class TroubleshootConfig:
     oom_recovery: bool = True  # on out-of-memory: halve the micro-batch (or eval batch) and retry the same step
@@ -137,6 +156,8 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    finetune: FinetuneConfig = field(default_factory=lambda: FinetuneConfig)  # the class: it has no __init__
+    eval: EvalConfig = field(default_factory=EvalConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     troubleshoot: TroubleshootConfig = field(default_factory=TroubleshootConfig)
     search: Any = None
@@ -150,7 +171,8 @@ def register_configs() -> None:
 
 register_configs()
 
-TASKS = ("train", "doctor")
+TASKS = ("train", "eval", "export", "doctor")
+SPLITS = ("val", "test")
 DATA_SOURCES = ("digits", "synthetic", "csv", "tensors")
 LOADERS = ("auto", "memory", "dataloader")
 PRECISIONS = ("32", "bf16", "fp16")
@@ -206,6 +228,11 @@ def validate(cfg: DictConfig) -> None:
         _one_of("scheduler.interval", cfg.scheduler.interval, ("epoch", "step"))
         _importable("scheduler.build._target_", cfg.scheduler.build._target_)
     _require(cfg.resume in ("", "auto") or Path(cfg.resume).is_file(), f"resume={cfg.resume!r} is neither 'auto' nor an existing checkpoint file.")
+    if cfg.task in ("eval", "export"):
+        _require(bool(cfg.ckpt), f"task={cfg.task} needs ckpt=PATH, a checkpoint file or a run dir.")
+        _require(Path(cfg.ckpt).exists(), f"ckpt={cfg.ckpt!r} does not exist.")
+    _one_of("eval.split", cfg.eval.split, SPLITS)
+    _validate_finetune(cfg.finetune)
 
 
 def _validate_data(data: DictConfig) -> None:
@@ -253,3 +280,16 @@ def _validate_troubleshoot(troubleshoot: DictConfig) -> None:
              f"troubleshoot.inject_oom_above_batch={troubleshoot.inject_oom_above_batch} is invalid; use -1 (off) or a batch size.")
     _require(troubleshoot.inject_oom_rank >= -1,
              f"troubleshoot.inject_oom_rank={troubleshoot.inject_oom_rank} is invalid; use -1 (every rank) or a rank.")
+
+
+def _validate_finetune(finetune: DictConfig) -> None:
+    source = finetune["from"]
+    _require(not source or Path(source).exists(), f"finetune.from={source!r} does not exist; give a checkpoint file, a run dir or outputs/<name>.")
+    _require(finetune.unfreeze_at_epoch >= -1,
+             f"finetune.unfreeze_at_epoch={finetune.unfreeze_at_epoch} is invalid; use -1 (never) or the epoch to unfreeze at.")
+    _require(finetune.unfreeze_at_epoch == -1 or bool(finetune.freeze),
+             f"finetune.unfreeze_at_epoch={finetune.unfreeze_at_epoch} has nothing to unfreeze; set finetune.freeze=[PATTERN,...] too.")
+    _require(finetune.backbone_lr_factor > 0, f"finetune.backbone_lr_factor={finetune.backbone_lr_factor} is invalid; it must be positive.")
+    _require(finetune.backbone_lr_factor == 1.0 or finetune.unfreeze_at_epoch >= 0,
+             f"finetune.backbone_lr_factor={finetune.backbone_lr_factor} has no effect: it scales the frozen parameters' "
+             "learning rate once they train, so set finetune.unfreeze_at_epoch too.")

@@ -8,6 +8,8 @@ from typing import Callable, Dict
 from omegaconf import DictConfig
 
 from framework import parallel
+from framework.evaluate import evaluate_checkpoint
+from framework.export import export
 from framework.trainer import Trainer
 from framework.troubleshoot.doctor import doctor
 
@@ -29,4 +31,5 @@ def fit(cfg: DictConfig, run_dir: Path, env: parallel.Environment) -> Metrics:
         trainer.close()
 
 
-TASKS: Dict[str, Callable[[DictConfig, Path], Metrics]] = {"train": train, "doctor": doctor}
+TASKS: Dict[str, Callable[[DictConfig, Path], Metrics]] = {"train": train, "eval": evaluate_checkpoint, "export": export,
+                                                         "doctor": doctor}

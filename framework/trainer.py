@@ -21,8 +21,9 @@ from framework.checkpoint import (Checkpointer, EarlyStopping, find_latest_check
                                   set_rng_state)
 from framework.config import ConfigError
 from framework.data import build_data, eval_batches, train_batches
+from framework.finetune import Finetuner
 from framework.logger import build_logger
-from framework.model import build_model, count_parameters, model_spec
+from framework.model import build_model, count_parameters
 from framework.optimizer import build_optimizer
 from framework.parallel import Environment, unwrap
 from framework.progress import ProgressBar
@@ -61,14 +62,42 @@ class Precision:
         return torch.autocast(self.device_type, dtype=self.dtype)
 
 
+@torch.inference_mode()
+@torch.inference_mode()
+def eval_totals(model: torch.nn.Module, batches, env: Environment, precision: Precision) -> torch.Tensor:
+    """This process's loss sum, correct count, sample count and an out-of-memory flag (0 here) over a split."""
+    model.eval()
+    totals = torch.zeros(4, dtype=torch.float64, device=env.output_device)
+    for x, y in batches:
+        if not batches.on_device:
+            x, y = x.to(env.device), y.to(env.output_device)
+        with precision.autocast():
+            logits = model(x)
+        totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
+        totals[1] += (logits.argmax(1) == y).sum()
+        totals[2] += len(y)
+    return totals
+
+
+def summarize(totals: torch.Tensor) -> Dict[str, float]:
+    loss_sum, correct, count, _ = totals.tolist()
+    return {"loss": loss_sum / count, "acc": correct / count}
+
+
+def evaluate(model: torch.nn.Module, batches, env: Environment, precision: Precision) -> Dict[str, float]:
+    """Mean loss and accuracy over a split, summed across processes; no graph is built."""
+    return summarize(env.all_reduce_sum(eval_totals(model, batches, env, precision)))
+
+
 class Trainer:
     def __init__(self, cfg: DictConfig, run_dir: Path, env: Environment):
         self.cfg, self.run_dir, self.env = cfg, Path(run_dir), env
         seed_everything(cfg.seed, cfg.trainer.deterministic)
         self.data = build_data(cfg.data, cfg.seed)
-        self.spec = model_spec(cfg.model, self.data.input_shape, self.data.num_classes)
-        self.model = env.wrap(build_model(self.spec))
-        self.optimizer = build_optimizer(cfg.optimizer, self.model)
+        self.finetuner = Finetuner(cfg)
+        self.spec = self.finetuner.model_spec(cfg.model, self.data.input_shape, self.data.num_classes)
+        self.model = env.wrap(self.finetuner.prepare(build_model(self.spec)))
+        self.optimizer = build_optimizer(cfg.optimizer, self.model, self.finetuner.param_groups())
         self.scheduler = build_scheduler(cfg.scheduler, self.optimizer)
         self.precision = Precision(str(cfg.trainer.precision), env.device)
         self.train_batches = train_batches(self.data, cfg.data, env.device, cfg.seed, env.rank, env.world_size,
@@ -167,6 +196,7 @@ class Trainer:
     def train_epoch(self, progress: ProgressBar) -> float:
         """One pass over the training batches; returns the mean training loss."""
         self.model.train()
+        self.finetuner.on_epoch_start(self.epoch)
         self.train_batches.set_epoch(self.epoch)
         # Losses are summed as a detached tensor: no graph is kept alive across steps and
         # the host syncs only when a value is logged, not on every step.
@@ -237,35 +267,20 @@ class Trainer:
         finally:
             self.logger.close()
 
-    @torch.inference_mode()
     def evaluate(self, batches) -> Dict[str, float]:
         """Mean loss and accuracy over a split, summed across processes; no graph is built.
 
         If any process runs out of memory, all of them halve the eval batch and redo the pass.
         """
-        self.model.eval()
         while True:
-            totals = self.oom.attempt(self.eval_totals, batches)
-            if totals is None:
+            totals = self.oom.attempt(eval_totals, self.model, batches, self.env, self.precision)
+            if totals is None:  # ran out of memory here: tell the others through the flag
                 totals = torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64, device=self.env.output_device)
-            loss_sum, correct, count, out_of_memory = self.env.all_reduce_sum(totals).tolist()
-            if not out_of_memory:
-                return {"loss": loss_sum / count, "acc": correct / count}
+            totals = self.env.all_reduce_sum(totals)
+            if not totals[3]:
+                return summarize(totals)
             self.eval_batch_size = batches.plan.batch_size = self.oom.back_off_eval(self.eval_batch_size, self.step,
                                                                                     self.logger)
-
-    def eval_totals(self, batches) -> torch.Tensor:
-        # loss sum, correct, count, and a flag the other processes read if this one runs out of memory
-        totals = torch.zeros(4, dtype=torch.float64, device=self.env.output_device)
-        for x, y in batches:
-            if not batches.on_device:
-                x, y = x.to(self.env.device), y.to(self.env.output_device)
-            with self.precision.autocast():
-                logits = self.model(x)
-            totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
-            totals[1] += (logits.argmax(1) == y).sum()
-            totals[2] += len(y)
-        return totals
 
     def end_epoch(self, train_loss: float, progress: ProgressBar) -> Dict[str, float]:
         val = self.evaluate(self.val_batches)

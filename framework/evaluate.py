@@ -1,0 +1,64 @@
+"""task=eval (conf/eval/): score a checkpoint on its val or test split.
+
+Everything comes from the checkpoint: the model (its saved constructor call and weights) and
+the resolved config of its run, so the data split, normalisation, eval batch size and
+precision are the run's own and scoring ``last.pt`` reproduces its final val metrics exactly.
+The command line may override the data (``data=NAME``, ``data.KEY=VALUE``), ``device`` and
+``trainer.*`` (e.g. ``trainer.precision``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Dict, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from framework.checkpoint import load_checkpoint, model_from_state, resolve_checkpoint_path
+from framework.config import ConfigError
+from framework.data import build_data, eval_batches
+from framework.finetune import command_line_overrides
+from framework.parallel import Environment, resolve_device
+from framework.trainer import Precision, evaluate
+
+log = logging.getLogger(__name__)
+
+OVERRIDABLE = ("data", "device", "trainer")
+
+
+def checkpoint_config(cfg: DictConfig, state: Dict[str, Any], groups: Sequence[str]) -> DictConfig:
+    """The checkpoint's resolved config, with what this command line set in ``groups`` taken from ``cfg``."""
+    saved = OmegaConf.create(state["config"])
+    for group in groups:
+        replaced, keys = command_line_overrides(group)
+        if replaced:
+            saved[group] = cfg[group]
+        for key in keys:
+            saved[group][key] = cfg[group][key]
+    return saved
+
+
+def evaluate_checkpoint(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:
+    path = resolve_checkpoint_path(cfg.ckpt)
+    state = load_checkpoint(path)
+    saved = checkpoint_config(cfg, state, OVERRIDABLE)
+    # One process, whatever the training run used: scoring needs no gradients to share.
+    env = Environment(device=resolve_device(saved.device))
+    data = build_data(saved.data, saved.seed)
+    classes = state["model_spec"].get("num_classes", data.num_classes)
+    if classes != data.num_classes:
+        raise ConfigError(f"the data has {data.num_classes} classes but the checkpoint's model predicts {classes}; "
+                          "leave data.* as the checkpoint's run had it, or pick data with as many classes.")
+    split = cfg.eval.split
+    if not len(data.split(split)):
+        raise ConfigError(f"eval.split={split} is empty for this data (data.{split}_fraction={saved.data[f'{split}_fraction']}).")
+    model = env.wrap(model_from_state(state, path))
+    batches = eval_batches(data.split(split), saved.data, env.device)
+    scores = evaluate(model, batches, env, Precision(str(saved.trainer.precision), env.device))
+    metrics = {f"{split}/loss": scores["loss"], f"{split}/acc": scores["acc"], "epoch": state["epoch"], "step": state["step"]}
+    log.info("%s at epoch %d, step %d, on %d %s samples: %s/loss %.6f  %s/acc %.6f", path, state["epoch"], state["step"],
+             len(data.split(split)), split, split, scores["loss"], split, scores["acc"])
+    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    log.info("Metrics written to %s.", run_dir / "metrics.json")
+    return metrics

@@ -1,0 +1,206 @@
+"""Fine-tuning (conf/finetune/): start from a pretrained run, replace the head, freeze by name.
+
+The trainer builds its model through a ``Finetuner``: ``model_spec`` picks the architecture,
+``prepare`` loads the pretrained weights, leaves the head freshly initialised when the labels
+changed and freezes parameters by name, ``param_groups`` gives the optimizer the frozen
+parameters that will join later, and ``on_epoch_start`` keeps frozen BatchNorm layers in
+eval mode and unfreezes on schedule. With ``finetune.from`` empty and no ``freeze`` every
+step is a no-op.
+
+The architecture is the checkpoint's saved ``model_spec``; the command line overrides it
+with ``model=NAME`` or ``model._target_=CLASS`` (a new architecture: weights load where
+names and shapes match) or ``model.KEY=VALUE`` (that key changed on top of the checkpoint's,
+when the model takes it). Model keys set by an
+experiment file or the defaults do not count: they were not written for this checkpoint.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from hydra.utils import get_object
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from framework.checkpoint import (FORMAT, CheckpointError, checked_spec, read_weights_only,
+                                  resolve_checkpoint_path)
+from framework.config import ConfigError
+from framework.model import accepted_keys, model_spec
+
+log = logging.getLogger(__name__)
+
+# What decides what the labels mean: a head trained on other labels is not reused.
+LABEL_KEYS = ("source", "path", "classes")
+
+
+def command_line_overrides(group: str) -> Tuple[bool, Set[str]]:
+    """Whether this run's command line chose another option of ``group`` (``group=NAME``),
+    and which of its keys it set (``group.KEY=VALUE``)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not HydraConfig.initialized():
+        return False, set()
+    replaced, keys = False, set()
+    for override in OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task)):
+        name = override.key_or_group
+        if name == group:
+            replaced = True
+        elif name.startswith(f"{group}."):
+            keys.add(name[len(group) + 1:].split(".")[0])
+    return replaced, keys
+
+
+def read_pretrained(path: Path) -> Dict[str, Any]:
+    """A runlab checkpoint, or a plain state dict of tensors (e.g. another library's weights file),
+    read without unpickling code."""
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise CheckpointError(f"{path} is a safetensors file; reading it needs the safetensors package.") from None
+        try:
+            return {"model": load_file(str(path))}
+        except Exception as error:
+            raise CheckpointError(f"{path} is not a readable safetensors file ({type(error).__name__}).") from None
+    state = read_weights_only(path)
+    if isinstance(state, dict) and state.get("format") == FORMAT:
+        return state
+    if isinstance(state, dict) and state and all(hasattr(v, "shape") for v in state.values()):
+        return {"model": state}
+    raise CheckpointError(f"{path} is neither a runlab checkpoint nor a state dict of tensors; finetune.from needs one of them.")
+
+
+class Finetuner:
+    def __init__(self, cfg: DictConfig):
+        self.cfg, self.data_cfg = cfg.finetune, cfg.data
+        self.source: Optional[Path] = None
+        self.pretrained: Dict[str, Any] = {}
+        if self.cfg["from"]:
+            self.source = resolve_checkpoint_path(self.cfg["from"])
+            self.pretrained = read_pretrained(self.source)
+        self.model: Optional[nn.Module] = None
+        self.frozen: Dict[str, nn.Parameter] = {}
+        self.frozen_norms: List[nn.Module] = []
+
+    # --- architecture ------------------------------------------------------------------
+
+    def model_spec(self, model_cfg: DictConfig, input_shape: Tuple[int, ...], num_classes: int) -> Dict[str, Any]:
+        saved = self.pretrained.get("model_spec")
+        replaced, keys = command_line_overrides("model")
+        if saved is None or replaced or "_target_" in keys:
+            return model_spec(model_cfg, input_shape, num_classes)
+        spec = copy.deepcopy(checked_spec(saved, self.source))
+        accepted = accepted_keys(get_object(spec["_target_"]))
+        keys = {k for k in keys if accepted is None or k in accepted}  # e.g. model.width for a model without one
+        given = OmegaConf.to_container(model_cfg, resolve=True)
+        spec.update({key: given[key] for key in keys})
+        # The shapes follow this run's data: a new class count gets a new head.
+        spec.update({k: v for k, v in (("input_shape", list(input_shape)), ("num_classes", num_classes)) if k in spec})
+        log.info("finetune.from=%s: architecture %s from the checkpoint%s.", self.source, spec["_target_"],
+                 f", with model.{{{','.join(sorted(keys))}}} from the command line" if keys else "")
+        return spec
+
+    # --- weights and freezing ----------------------------------------------------------
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        self.model = model
+        if self.pretrained:
+            self._load_pretrained(model)
+        self._freeze(model)
+        return model
+
+    def _head_keys(self, model: nn.Module, incoming: Dict[str, Any]) -> Set[str]:
+        """The head's weights, when the head must not be reused: other classes, or other labels."""
+        own = model.state_dict()
+        head = self.cfg.head or getattr(model, "head_name", "")
+        if head:
+            try:
+                model.get_submodule(head)
+            except AttributeError:
+                raise ConfigError(f"finetune.head={head!r} is not a module of {type(model).__name__}; "
+                                  f"its top-level modules are {', '.join(n for n, _ in model.named_children())}.") from None
+        head_keys = {k for k in own if k.startswith(f"{head}.")} if head else set()
+        shape_changed = any(k in incoming and incoming[k].shape != own[k].shape for k in head_keys)
+        saved_data = self.pretrained.get("config", {}).get("data")
+        labels_changed = saved_data is not None and any(
+            saved_data.get(k) != OmegaConf.to_container(self.data_cfg, resolve=True).get(k) for k in LABEL_KEYS)
+        if not (shape_changed or labels_changed):
+            return set()
+        if not head and self.cfg.strict:
+            raise ConfigError(f"{type(model).__name__} declares no head_name, so its output layer cannot be replaced; "
+                              "set finetune.head=MODULE (its output layer) or finetune.strict=false to load only matching weights.")
+        why = "the number of classes changed" if shape_changed else "the labels differ from the pretraining run"
+        log.info("Head %r re-initialised: %s.", head, why)
+        return head_keys
+
+    def _load_pretrained(self, model: nn.Module) -> None:
+        incoming, own = self.pretrained["model"], model.state_dict()
+        head = self._head_keys(model, incoming)
+        loadable = {k: v for k, v in incoming.items() if k in own and k not in head and v.shape == own[k].shape}
+        mismatched = [f"{k} {tuple(v.shape)}->{tuple(own[k].shape)}" for k, v in incoming.items()
+                      if k in own and k not in head and v.shape != own[k].shape]
+        unexpected = [k for k in incoming if k not in own]
+        missing = [k for k in own if k not in incoming and k not in head]
+        log.info("finetune.from=%s: loaded %d tensors, re-initialised %d (head), missing %d, unexpected %d, "
+                 "shape-mismatched %d.", self.source, len(loadable), len(head), len(missing), len(unexpected), len(mismatched))
+        problems = [f"{label}: {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
+                    for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape-mismatched", mismatched)) if keys]
+        if problems and self.cfg.strict:
+            raise CheckpointError(f"finetune.from={self.source} does not fit this model ({'; '.join(problems)}); "
+                                  "set finetune.strict=false to load only the matching weights.")
+        for problem in problems:
+            log.warning("finetune.strict=false, kept freshly initialised: %s", problem)
+        model.load_state_dict(loadable, strict=False)
+
+    def _freeze(self, model: nn.Module) -> None:
+        names = [name for name, _ in model.named_parameters()]
+        for pattern in self.cfg.freeze:
+            if not any(fnmatchcase(name, pattern) for name in names):
+                raise ConfigError(f"finetune.freeze pattern {pattern!r} matches no parameter of {type(model).__name__}; "
+                                  f"its parameters are named like {', '.join(names[:4])}, ..., {names[-1]}.")
+        self.frozen = {n: p for n, p in model.named_parameters() if self._is_frozen(n)}
+        for parameter in self.frozen.values():
+            parameter.requires_grad_(False)
+        # A frozen BatchNorm must not update its running statistics either.
+        self.frozen_norms = [m for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                             and all(self._is_frozen(f"{name}.{n}") for n in ("weight", "bias", "running_mean"))]
+        if self.frozen:
+            log.info("Frozen by finetune.freeze=%s: %d tensors, %d BatchNorm layers kept in eval mode%s.",
+                     list(self.cfg.freeze), len(self.frozen), len(self.frozen_norms),
+                     f", until epoch {self.cfg.unfreeze_at_epoch}" if self.cfg.unfreeze_at_epoch >= 0 else "")
+
+    def _is_frozen(self, name: str) -> bool:
+        return any(fnmatchcase(name, pattern) for pattern in self.cfg.freeze)
+
+    # --- the loop's hooks --------------------------------------------------------------
+
+    def param_groups(self) -> Optional[List[Dict[str, Any]]]:
+        """None (the optimizer takes the trainable parameters) unless frozen parameters join later.
+
+        Then they are a second group from the start, scaled by ``backbone_lr_factor``: torch
+        optimizers skip parameters without gradients, so they stay untouched while frozen,
+        while the scheduler and a resumed optimizer state already know the group.
+        """
+        if self.cfg.unfreeze_at_epoch < 0 or not self.frozen:
+            return None
+        frozen = set(map(id, self.frozen.values()))
+        return [{"params": [p for p in self.model.parameters() if id(p) not in frozen]},
+                {"params": list(self.frozen.values()), "lr_factor": self.cfg.backbone_lr_factor}]
+
+    def on_epoch_start(self, epoch: int) -> None:
+        """Called after ``model.train()``: unfreeze when due, else keep frozen norms in eval mode."""
+        if not self.frozen:
+            return
+        if 0 <= self.cfg.unfreeze_at_epoch <= epoch:
+            if not next(iter(self.frozen.values())).requires_grad:
+                for parameter in self.frozen.values():
+                    parameter.requires_grad_(True)
+                log.info("Epoch %d: unfroze %d tensors (finetune.freeze), learning rate x%g.",
+                         epoch, len(self.frozen), self.cfg.backbone_lr_factor)
+            return
+        for norm in self.frozen_norms:
+            norm.eval()
