@@ -217,8 +217,13 @@ class Checkpointer:
             return
         copy = snapshot(state())
         self.wait()
-        self._writer = threading.Thread(target=self._write, args=(copy, improved), name="checkpoint-writer")
-        self._writer.start()
+        writer = threading.Thread(target=self._write, args=(copy, improved), name="checkpoint-writer")
+        try:
+            writer.start()
+            self._writer = writer
+        except RuntimeError:  # no thread to be had (e.g. an address-space limit): write it here
+            self._write(copy, improved)
+            self.wait()
 
     def _write(self, state: Dict[str, Any], improved: bool) -> None:
         try:
