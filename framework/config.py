@@ -103,6 +103,16 @@ class PathsConfig:
 
 
 @dataclass
+class SearchConfig:
+    """A run's place in a sweep (conf/search/ picks the sweep; hydra/sweeper=runlab fills these in)."""
+
+    study_name: str = ""  # set per trial by the sweeper, with storage and trial
+    storage: str = ""  # the study's SQLAlchemy URL
+    trial: int = -1  # the Optuna trial number; -1: not a trial
+    num_threads: int = 0  # torch threads for this run (parallel trials set 1); 0: torch's default
+
+
+@dataclass
 class RunConfig:
     task: str = "train"
     name: str = "${task}"  # names the output folder; experiments set their own
@@ -123,7 +133,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
-    search: Any = None
+    search: SearchConfig = field(default_factory=SearchConfig)
+    launcher: Any = None
     experiment: Any = None
 
 
@@ -185,7 +196,14 @@ def validate(cfg: DictConfig) -> None:
     if cfg.scheduler is not None:
         _one_of("scheduler.interval", cfg.scheduler.interval, ("epoch", "step"))
         _importable("scheduler.build._target_", cfg.scheduler.build._target_)
+    _validate_search(cfg.search)
     _require(cfg.resume in ("", "auto") or Path(cfg.resume).is_file(), f"resume={cfg.resume!r} is neither 'auto' nor an existing checkpoint file.")
+
+
+def _validate_search(search: DictConfig) -> None:
+    _require(search.num_threads >= 0, f"search.num_threads={search.num_threads} is invalid; use 0 (torch's default) or a positive count.")
+    _require(search.trial < 0 or bool(search.study_name and search.storage),
+             f"search.trial={search.trial} needs search.study_name and search.storage; the runlab sweeper sets all three.")
 
 
 def _validate_data(data: DictConfig) -> None:

@@ -27,6 +27,7 @@ from framework.optimizer import build_optimizer
 from framework.parallel import Environment, unwrap
 from framework.progress import ProgressBar
 from framework.scheduler import build_scheduler
+from framework.search.trial import sweep_trial
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class Trainer:
                                          cfg.checkpoint.enabled, env.is_main)
         self.early_stopping = EarlyStopping(**cfg.early_stopping)
         self.logger = build_logger(cfg.logger, self.run_dir, env.is_main, OmegaConf.to_container(cfg, resolve=True))
+        self.trial = sweep_trial(cfg, self.run_dir, env.is_main)
         self.epoch, self.step, self.batch_in_epoch = 0, 0, 0
         self.stop_reason = ""
         self._maybe_resume()
@@ -244,6 +246,9 @@ class Trainer:
         self.logger.log_histograms(unwrap(self.model), self.epoch - 1)
         if self.early_stopping.update(metrics) and not self.stop_reason:
             self.stop_reason = f"early stopping: {self.early_stopping.tracker.monitor} did not improve for {self.early_stopping.patience} epochs"
+        pruned = self.trial.report(metrics, self.epoch)
+        if pruned and not self.stop_reason:
+            self.stop_reason = pruned
         self.checkpointer.maybe_save(self.state, metrics)
         progress.show({"val_acc": val["acc"], "val_loss": val["loss"]})
         log.info("epoch %d  step %d  train/loss %.4f  val/loss %.4f  val/acc %.4f",
@@ -289,7 +294,7 @@ class Trainer:
         for key, value in self.spec.items():
             if isinstance(value, (int, float, str, bool)) and not key.startswith("_"):
                 flat[f"model.{key}"] = value
-        return flat
+        return {**flat, **self.trial.hparams()}
 
 
 def metric_value(metrics: Dict[str, float], name: str) -> float:
