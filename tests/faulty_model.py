@@ -1,8 +1,8 @@
 """A testing aid for sweeps: an MLP that fails the way real runs fail, in chosen trials.
 
-    model._target_=faulty_model.FaultyMLP '+model.trial=${search.trial}' '+model.faults={1:raise,2:nan,3:oom}'
+    model._target_=faulty_model.FaultyMLP '+model.trial=${search.trial}' '+model.faults={1:raise,2:nan_loss,3:oom}'
 
-needs tests/ on PYTHONPATH. ``raise`` raises, ``nan`` returns NaN logits (so the loss is
+needs tests/ on PYTHONPATH. ``raise`` raises, ``nan_loss`` returns NaN logits (so the loss is
 NaN), ``oom`` raises the RuntimeError that PyTorch's CPU allocator raises when memory runs out.
 """
 from typing import Dict, Optional, Sequence
@@ -27,4 +27,4 @@ class FaultyMLP(MLP):
         if self.fault == "oom":
             raise RuntimeError(CPU_OOM)
         logits = super().forward(x)
-        return logits * float("nan") if self.fault == "nan" else logits
+        return logits * float("nan") if self.fault == "nan_loss" else logits

@@ -25,6 +25,7 @@ from hydra.types import HydraContext, TaskFunction
 from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
 from omegaconf import DictConfig, OmegaConf
 
+from framework.entry import CONF_DIR
 from framework.search.study import INTERRUPTED, default_storage, failed_trials, finished_trials
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ class StudySweeper(Sweeper):
         self.sampler, self.pruner, self.direction = sampler, pruner, direction
         self.storage, self.study_name = storage, study_name
         self.n_trials, self.n_jobs, self.max_failure_rate = n_trials, max(1, n_jobs), max_failure_rate
-        self.params, self.export_dir = params, export_dir
+        self.params = params
+        self.export_dir = export_dir or str(CONF_DIR / "experiment")
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config = config

@@ -55,7 +55,7 @@ class RunlabSweeperConf:
     max_failure_rate: float = 0.25  # of n_trials; one failure more and the sweep stops
     params: Optional[Dict[str, str]] = None  # the search space, in Hydra's override syntax
     # Where the best trial's experiment YAML goes (run it with experiment=<study_name>_best).
-    export_dir: str = "${paths.root_dir}/experiments"
+    export_dir: str = ""  # "": the project's experiments/
 
 
 @dataclass
