@@ -22,7 +22,7 @@ WITH_AIDS = {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
 
 def sweep(cli, tmp_path: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:
     """A runlab sweep of tiny trials; its best experiment goes to tmp_path/search_path/experiment."""
-    return cli(*args, *TINY, f"hydra.sweeper.export_dir={tmp_path / 'search_path' / 'experiment'}", **kwargs)
+    return cli(*TINY, *args, f"hydra.sweeper.export_dir={tmp_path / 'search_path' / 'experiment'}", **kwargs)
 
 
 def sweep_dir(tmp_path: Path, study: str) -> Path:
@@ -147,9 +147,9 @@ def test_failing_trials_are_recorded_failed_and_too_many_stop_the_sweep(cli, tmp
 @pytest.mark.timeout(300)
 def test_median_pruner_stops_hopeless_trials_early(cli, tmp_path):
     # Half the space cannot learn (lr=1e-7); after two full trials the median pruner stops those.
-    result = sweep(cli, tmp_path, "search=random", "hydra.sweeper.n_trials=6", "hydra/sweeper/pruner=median",
+    result = sweep(cli, tmp_path, "search=random", "hydra.sweeper.n_trials=4", "hydra/sweeper/pruner=median",
                    "hydra.sweeper.pruner.n_startup_trials=2", "hydra.sweeper.pruner.n_warmup_steps=1",
-                   "lr=choice(0.03,1e-7)", "trainer.max_epochs=4", "early_stopping.enabled=false")
+                   "hydra.sweeper.params.lr='choice(0.03,1e-7)'", "trainer.max_epochs=3", "early_stopping.enabled=false")
     assert result.returncode == 0, result.stderr[-2000:]
     directory = sweep_dir(tmp_path, "train_random")
     rows = trials_table(directory)
@@ -157,15 +157,15 @@ def test_median_pruner_stops_hopeless_trials_early(cli, tmp_path):
     assert pruned and all(float(row["lr"]) == 1e-7 for row in pruned)
     for row in pruned:
         metrics = read_metrics(directory / row["number"])
-        assert metrics["epoch"] < 4  # stopped early
+        assert metrics["epoch"] < 3  # stopped early
         assert float(row["value"]) == metrics["val/acc"]  # recorded with its last value
-    assert all(read_metrics(directory / row["number"])["epoch"] == 4 for row in rows if row["state"] == "COMPLETE")
+    assert all(read_metrics(directory / row["number"])["epoch"] == 3 for row in rows if row["state"] == "COMPLETE")
 
 
 @pytest.mark.timeout(400)
 def test_a_killed_sweep_resumes_to_n_trials_without_duplicates(cli, tmp_path):
     args = ["search=random", "hydra.sweeper.n_trials=5", "trainer.max_epochs=3"]
-    command = [sys.executable, "run.py", f"paths.output_dir={tmp_path / 'outputs'}", *args, *TINY,
+    command = [sys.executable, "run.py", f"paths.output_dir={tmp_path / 'outputs'}", *TINY, *args,
                f"hydra.sweeper.export_dir={tmp_path / 'search_path' / 'experiment'}"]
     driver = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     directory = sweep_dir(tmp_path, "train_random")

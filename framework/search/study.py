@@ -14,6 +14,13 @@ def default_storage(sweep_dir: Path) -> str:
     return f"sqlite:///{Path(sweep_dir).resolve() / STUDY_FILE}?timeout=60"
 
 
+def uncached(study):
+    """The study reading its storage directly: Optuna's cache would hide from the driver what the
+    trials, in other processes, wrote (intermediate values, pruning, run dirs)."""
+    study._storage = getattr(study._storage, "_backend", study._storage)
+    return study
+
+
 def finished_trials(study) -> List:
     """Complete, pruned and failed trials, without those cut short by a dead driver."""
     from optuna.trial import TrialState
@@ -42,4 +49,4 @@ def load_sweep_study(sweep_dir: Path, study_name: str = ""):
         if len(names) != 1:
             raise ValueError(f"{path} holds the studies {names}; name one with --study.")
         study_name = names[0]
-    return optuna.load_study(study_name=study_name, storage=storage)
+    return uncached(optuna.load_study(study_name=study_name, storage=storage))

@@ -26,7 +26,7 @@ from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_override
 from omegaconf import DictConfig, OmegaConf
 
 from framework.entry import CONF_DIR
-from framework.search.study import INTERRUPTED, default_storage, failed_trials, finished_trials
+from framework.search.study import INTERRUPTED, default_storage, failed_trials, finished_trials, uncached
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,8 @@ class StudySweeper(Sweeper):
 
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         self.storage = self.storage or default_storage(self.sweep_dir)
-        study = optuna.create_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
-                                    pruner=self.pruner, direction=self.direction, load_if_exists=True)
+        study = uncached(optuna.create_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
+                                             pruner=self.pruner, direction=self.direction, load_if_exists=True))
         # Trials run in their own processes and build the pruner from this attribute.
         pruner_cfg = self.config.hydra.sweeper.pruner
         study.set_user_attr("pruner", OmegaConf.to_container(pruner_cfg, resolve=True) if pruner_cfg else None)

@@ -2,17 +2,13 @@
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from omegaconf import MISSING
-
 from hydra.core.config_store import ConfigStore
-from hydra_plugins.hydra_optuna_sweeper.config import SamplerConfig  # registers hydra/sweeper/sampler/*
 from hydra_plugins.hydra_ray_launcher._config import RayConf
-
+from omegaconf import MISSING
 
 @dataclass
 class PrunerConfig:
     _target_: str = "optuna.pruners.MedianPruner"
-
 
 @dataclass
 class MedianPrunerConfig(PrunerConfig):
@@ -21,14 +17,12 @@ class MedianPrunerConfig(PrunerConfig):
     n_warmup_steps: int = 1  # epochs a trial runs before it can be pruned
     interval_steps: int = 1
 
-
 @dataclass
 class SuccessiveHalvingPrunerConfig(PrunerConfig):
     _target_: str = "optuna.pruners.SuccessiveHalvingPruner"
     min_resource: Any = "auto"
     reduction_factor: int = 3
     min_early_stopping_rate: int = 0
-
 
 @dataclass
 class HyperbandPrunerConfig(PrunerConfig):
@@ -37,14 +31,13 @@ class HyperbandPrunerConfig(PrunerConfig):
     max_resource: Any = "auto"
     reduction_factor: int = 3
 
-
 @dataclass
 class RunlabSweeperConf:
     """Optuna, as the stock hydra-optuna-sweeper, plus pruning, resume, failure tolerance and a report."""
 
     _target_: str = "hydra_plugins.runlab_sweeper.sweeper.RunlabSweeper"
-    defaults: List[Any] = field(default_factory=lambda: [{"sampler": "tpe"}, {"pruner": None}])
-    sampler: SamplerConfig = MISSING
+    defaults: List[Any] = field(default_factory=lambda: ["_self_", {"sampler": "tpe"}, {"pruner": None}])
+    sampler: Any = MISSING  # hydra/sweeper/sampler=tpe|random|cmaes|... (hydra-optuna-sweeper's)
     pruner: Optional[PrunerConfig] = None  # hydra/sweeper/pruner=median|successive_halving|hyperband
     direction: str = "maximize"  # of optimized_metric
     # The study persists here; every trial opens it to report epochs. Empty: sqlite in the sweep dir.
@@ -57,14 +50,12 @@ class RunlabSweeperConf:
     # Where the best trial's experiment YAML goes (run it with experiment=<study_name>_best).
     export_dir: str = ""  # "": the project's experiments/
 
-
 @dataclass
 class RunlabRayLauncherConf:
     """hydra-ray-launcher's local launcher, with clear errors and a safe cluster connection."""
 
     _target_: str = "hydra_plugins.runlab_sweeper.ray_launcher.RunlabRayLauncher"
     ray: RayConf = field(default_factory=RayConf)
-
 
 def register() -> None:
     store = ConfigStore.instance()
@@ -73,6 +64,5 @@ def register() -> None:
                        ("hyperband", HyperbandPrunerConfig)):
         store.store(group="hydra/sweeper/pruner", name=name, node=node, provider="runlab")
     store.store(group="hydra/launcher", name="runlab_ray", node=RunlabRayLauncherConf, provider="runlab")
-
 
 register()
