@@ -206,5 +206,5 @@ def test_ray_launcher_runs_trials_in_parallel_on_two_local_cpus(cli, tmp_path):
     directory = sweep_dir(tmp_path, "train_random")
     assert study_states(directory) == {0: "COMPLETE", 1: "COMPLETE"}
     for number in (0, 1):
-        assert "num_threads: 1" in (directory / str(number) / ".hydra" / "config.yaml").read_text()
+        assert "torch runs on 1 threads" in (directory / str(number) / "train.log").read_text()
         assert read_metrics(directory / str(number))["epoch"] == 2

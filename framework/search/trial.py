@@ -8,11 +8,14 @@ same in the driver's process and on Ray workers.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Dict, Mapping
 
 import torch
 from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
 
 
 class NoTrial:
@@ -58,6 +61,7 @@ class SweepTrial(NoTrial):
 def sweep_trial(cfg: DictConfig, run_dir: Path, is_main: bool) -> NoTrial:
     if cfg.search.num_threads:
         torch.set_num_threads(cfg.search.num_threads)
+        log.info("torch runs on %d threads (search.num_threads).", cfg.search.num_threads)
     # Only rank 0 talks to the study; a multi-process trial is not pruned.
     if cfg.search.trial < 0 or not is_main:
         return NoTrial()
