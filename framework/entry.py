@@ -30,10 +30,9 @@ def execute(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:
 def main(cfg: DictConfig) -> Optional[float]:
     """The Hydra task function: runs one job and returns ``optimized_metric`` for sweepers."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from framework.trainer import metric_value
-
-    from hydra.types import RunMode
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)

@@ -13,6 +13,7 @@ search-space syntax) with what that one lacks:
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from pathlib import Path
@@ -45,13 +46,16 @@ def describe_error(error: BaseException) -> str:
 class StudySweeper(Sweeper):
     def __init__(self, sampler: Any, pruner: Any, direction: str, storage: str, study_name: str, n_trials: int,
                  n_jobs: int, max_failure_rate: float, params: Optional[DictConfig], export_dir: str) -> None:
+        if isinstance(sampler, functools.partial):  # GridSampler needs the space up front
+            raise ValueError("hydra/sweeper/sampler=grid is not supported by hydra/sweeper=runlab; use search=grid "
+                             "(Hydra's basic sweeper) or hydra/sweeper=optuna.")
         if not 0.0 <= max_failure_rate <= 1.0:
             raise ValueError(f"hydra.sweeper.max_failure_rate={max_failure_rate} is invalid; use a fraction from 0 to 1.")
         self.sampler, self.pruner, self.direction = sampler, pruner, direction
         self.storage, self.study_name = storage, study_name
         self.n_trials, self.n_jobs, self.max_failure_rate = n_trials, max(1, n_jobs), max_failure_rate
         self.params = params
-        self.export_dir = export_dir or str(CONF_DIR / "experiment")
+        self.export_dir = export_dir or str((CONF_DIR / "experiment").resolve())
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config = config
