@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Sequence
 
@@ -27,12 +28,25 @@ class RayStartError(RuntimeError):
     pass
 
 
+def check_reachable(address: str) -> None:
+    """Ray retries an unreachable head for minutes, silently; fail in seconds with the reason instead."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto", "local": Ray finds the cluster itself
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as error:
+        raise RayStartError(f"The Ray cluster at {address} cannot be reached ({error}); check "
+                            "hydra.launcher.ray.init.address and that `ray start --head` runs there.") from None
+
+
 def start_ray(init: dict) -> None:
     import ray
 
     if ray.is_initialized():
         return
     if init.get("address"):
+        check_reachable(str(init["address"]))
         init.pop("object_store_memory", None)  # Ray rejects it when joining a running cluster
     else:
         init.setdefault("object_store_memory", LOCAL_OBJECT_STORE_BYTES)
