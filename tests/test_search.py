@@ -76,6 +76,12 @@ def test_random_sweep_runs_n_trials_and_writes_its_report(cli, tmp_path):
     for number in range(3):
         assert float(rows[number]["value"]) == read_metrics(directory / str(number))["val/acc"]
     assert "Trials of study 'train_random'" in result.stdout
+    # On demand, from the study alone (as for a sweep still running):
+    (directory / "trials.csv").unlink()
+    report = subprocess.run([sys.executable, "-m", "framework.search.report", str(directory)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert trials_table(directory) == rows and "Best trial #" in report.stdout
 
 
 @pytest.mark.timeout(300)

@@ -51,6 +51,9 @@ def start_ray(init: dict) -> None:
     else:
         init.setdefault("object_store_memory", LOCAL_OBJECT_STORE_BYTES)
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    # Ray runs workers at nice 15 by default; trials are the work, not background chores, and
+    # on a shared machine a niced trial gets a fraction of its core.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     try:
         ray.init(**init)
     except Exception as error:
