@@ -146,6 +146,7 @@ def test_failing_trials_are_recorded_failed_and_too_many_stop_the_sweep(cli, tmp
     rows = trials_table(directory)
     assert [row["state"] for row in rows] == ["COMPLETE", "FAIL", "FAIL", "FAIL", "COMPLETE"]
     assert rows[1]["error"] == "ValueError: a deliberately failing trial"
+    assert "in forward" in (directory / "1" / "error.txt").read_text()
     assert rows[2]["error"] == "the run returned nan for its optimized_metric"
     assert rows[3]["error"].startswith("out of memory: RuntimeError: [enforce fail at alloc_cpu.cpp:117]")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -41,6 +42,15 @@ class SweepError(RuntimeError):
 def describe_error(error: BaseException) -> str:
     text = f"{type(error).__name__}: {error}".strip().splitlines()[0][:300]
     return f"out of memory: {text}" if any(m in str(error) for m in OOM_MARKERS) else text
+
+
+def save_traceback(result: JobReturn) -> None:
+    """The failed trial's traceback, in its run dir as error.txt (Hydra keeps only the exception)."""
+    if result.hydra_cfg is None:  # the job never started (a Ray worker died)
+        return
+    error = result._return_value
+    path = Path(result.hydra_cfg.hydra.runtime.output_dir) / "error.txt"
+    path.write_text("".join(traceback.format_exception(type(error), error, error.__traceback__)))
 
 
 class StudySweeper(Sweeper):
@@ -125,6 +135,7 @@ class StudySweeper(Sweeper):
         from optuna.trial import TrialState
 
         if result.status == JobStatus.FAILED:
+            save_traceback(result)
             return self.fail(study, trial, describe_error(result._return_value))
         value = result.return_value
         if value is None or not math.isfinite(float(value)):
