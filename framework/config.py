@@ -137,6 +137,16 @@ class PathsConfig:
 
 
 @dataclass
+class SearchConfig:
+    """A run's place in a sweep (conf/search/ picks the sweep; hydra/sweeper=runlab fills these in)."""
+
+    study_name: str = ""  # set per trial by the sweeper, with storage and trial
+    storage: str = ""  # the study's SQLAlchemy URL
+    trial: int = -1  # the Optuna trial number; -1: not a trial
+    num_threads: int = 0  # torch threads for this run (parallel trials set 1); 0: torch's default
+
+
+@dataclass
 class RunConfig:
     task: str = "train"
     name: str = "${task}"  # names the output folder; experiments set their own
@@ -160,7 +170,8 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     troubleshoot: TroubleshootConfig = field(default_factory=TroubleshootConfig)
-    search: Any = None
+    search: SearchConfig = field(default_factory=SearchConfig)
+    launcher: Any = None
     experiment: Any = None
 
 
@@ -227,12 +238,19 @@ def validate(cfg: DictConfig) -> None:
     if cfg.scheduler is not None:
         _one_of("scheduler.interval", cfg.scheduler.interval, ("epoch", "step"))
         _importable("scheduler.build._target_", cfg.scheduler.build._target_)
+    _validate_search(cfg.search)
     _require(cfg.resume in ("", "auto") or Path(cfg.resume).is_file(), f"resume={cfg.resume!r} is neither 'auto' nor an existing checkpoint file.")
     if cfg.task in ("eval", "export"):
         _require(bool(cfg.ckpt), f"task={cfg.task} needs ckpt=PATH, a checkpoint file or a run dir.")
         _require(Path(cfg.ckpt).exists(), f"ckpt={cfg.ckpt!r} does not exist.")
     _one_of("eval.split", cfg.eval.split, SPLITS)
     _validate_finetune(cfg.finetune)
+
+
+def _validate_search(search: DictConfig) -> None:
+    _require(search.num_threads >= 0, f"search.num_threads={search.num_threads} is invalid; use 0 (torch's default) or a positive count.")
+    _require(search.trial < 0 or bool(search.study_name and search.storage),
+             f"search.trial={search.trial} needs search.study_name and search.storage; the runlab sweeper sets all three.")
 
 
 def _validate_data(data: DictConfig) -> None:

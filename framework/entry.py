@@ -31,15 +31,18 @@ def execute(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:
 def main(cfg: DictConfig) -> Optional[float]:
     """The Hydra task function: runs one job and returns ``optimized_metric`` for sweepers."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from framework.trainer import metric_value
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
         metrics = execute(cfg, run_dir)
         return metric_value(metrics, cfg.optimized_metric) if cfg.task == "train" else None
     except USER_ERRORS as error:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        # In a sweep the error goes to the sweeper, which records this trial as failed and goes on.
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or hydra_cfg.mode == RunMode.MULTIRUN:
             raise
         log.error("%s", error)
         print(f"runlab: error: {error}", file=sys.stderr)

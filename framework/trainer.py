@@ -29,6 +29,7 @@ from framework.parallel import Environment, unwrap
 from framework.progress import ProgressBar
 from framework.scheduler import build_scheduler
 from framework.troubleshoot import MemoryTracker, OOMRecovery
+from framework.search.trial import sweep_trial
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class Trainer:
         self.logger = build_logger(cfg.logger, self.run_dir, env.is_main, OmegaConf.to_container(cfg, resolve=True))
         self.oom = OOMRecovery(cfg.troubleshoot, env, self.model, self.optimizer, self.spec, self.data.input_shape)
         self.memory = MemoryTracker(env.device, cfg.troubleshoot.memory_growth_epochs)
+        self.trial = sweep_trial(cfg, self.run_dir, env.is_main)
         self.epoch, self.step, self.batch_in_epoch = 0, 0, 0
         self.stop_reason = ""
         self._maybe_resume()
@@ -297,6 +299,9 @@ class Trainer:
         self.logger.log_metrics(metrics, self.step)
         self.logger.log_histograms(unwrap(self.model), self.epoch - 1)
         self.memory.end_epoch(self.logger, self.step, (self.micro_batch, self.eval_batch_size))
+        pruned = self.trial.report(metrics, self.epoch)
+        if pruned and not self.stop_reason:
+            self.stop_reason = pruned
         self.checkpointer.maybe_save(self.state, metrics)
         progress.show({"val_acc": val["acc"], "val_loss": val["loss"]})
         log.info("epoch %d  step %d  train/loss %.4f  val/loss %.4f  val/acc %.4f",
@@ -345,7 +350,7 @@ class Trainer:
         for key, value in self.spec.items():
             if isinstance(value, (int, float, str, bool)) and not key.startswith("_"):
                 flat[f"model.{key}"] = value
-        return flat
+        return {**flat, **self.trial.hparams()}
 
 
 def metric_value(metrics: Dict[str, float], name: str) -> float:

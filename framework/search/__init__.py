@@ -1,0 +1,7 @@
+"""Hyperparameter search (conf/search/): Optuna studies driven through Hydra's sweeper API.
+
+- ``sweeper``: the study loop behind ``hydra/sweeper=runlab`` (pruning, resume, failure tolerance);
+- ``trial``: the trainer's hook that reports each epoch to the study and asks whether to prune;
+- ``report``: the sweep report (table, plots, best trial as an experiment YAML);
+- ``ray_launcher``: hydra-ray-launcher with clear errors and a safe cluster connection.
+"""

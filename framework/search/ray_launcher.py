@@ -1,0 +1,93 @@
+"""hydra-ray-launcher's local launcher (``launcher=ray_local``), made safe for sweeps.
+
+Over the stock one it: never passes ``object_store_memory`` when connecting to an existing
+cluster (Ray refuses it there), turns a Ray that cannot start into one clear error, and
+turns a trial whose worker died into a failed trial instead of a dead sweep.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Sequence
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides, setup_globals
+from hydra_plugins.hydra_ray_launcher._launcher_util import launch_job_on_ray
+from hydra_plugins.hydra_ray_launcher.ray_launcher import RayLauncher
+from omegaconf import OmegaConf, open_dict
+
+log = logging.getLogger(__name__)
+
+# A small object store is enough (trials return one float) and fits small machines and CI.
+LOCAL_OBJECT_STORE_BYTES = 78643200
+
+
+class RayStartError(RuntimeError):
+    pass
+
+
+def check_reachable(address: str) -> None:
+    """Ray retries an unreachable head for minutes, silently; fail in seconds with the reason instead."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto", "local": Ray finds the cluster itself
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as error:
+        raise RayStartError(f"The Ray cluster at {address} cannot be reached ({error}); check "
+                            "hydra.launcher.ray.init.address and that `ray start --head` runs there.") from None
+
+
+def start_ray(init: dict) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if init.get("address"):
+        check_reachable(str(init["address"]))
+        init.pop("object_store_memory", None)  # Ray rejects it when joining a running cluster
+    else:
+        init.setdefault("object_store_memory", LOCAL_OBJECT_STORE_BYTES)
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    # Ray runs workers at nice 15 by default; trials are the work, not background chores, and
+    # on a shared machine a niced trial gets a fraction of its core.
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    try:
+        ray.init(**init)
+    except Exception as error:
+        where = f"the cluster at {init['address']}" if init.get("address") else "a local Ray instance"
+        raise RayStartError(f"Ray could not start {where} ({type(error).__name__}: {error}). Check that the address "
+                            "is reachable, that /tmp has space, and the hydra.launcher.ray.init options; "
+                            "or run the trials without Ray (drop launcher=ray_local).") from None
+
+
+class ClearRayLauncher(RayLauncher):
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        import ray
+
+        setup_globals()
+        Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+        start_ray(OmegaConf.to_container(self.ray_cfg.init, resolve=True))
+        runs = []
+        for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
+            log.info("\t#%d : %s", idx, " ".join(filter_overrides(overrides)))
+            sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            with open_dict(sweep_config):
+                sweep_config.hydra.job.id = f"job_id_for_{idx}"
+                sweep_config.hydra.job.num = idx
+            runs.append(launch_job_on_ray(self.hydra_context, self.ray_cfg.remote, sweep_config, self.task_function,
+                                          Singleton.get_state()))
+        return [self.result(run) for run in runs]
+
+    @staticmethod
+    def result(run) -> JobReturn:
+        import ray
+
+        try:
+            return ray.get(run)
+        except ray.exceptions.RayError as error:  # the worker died (killed, out of memory) or failed to start
+            failed = JobReturn()
+            failed.return_value, failed.status = error, JobStatus.FAILED
+            return failed

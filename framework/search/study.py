@@ -1,0 +1,52 @@
+"""Where a sweep's Optuna study lives, and how its trials are counted; shared by driver and report."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List
+
+STUDY_FILE = "study.db"
+# A trial the driver was running when it died; it does not count towards n_trials.
+INTERRUPTED = "interrupted"
+
+
+def default_storage(sweep_dir: Path) -> str:
+    # sqlite waits up to a minute for a lock, so trials in other processes can write alongside the driver.
+    return f"sqlite:///{Path(sweep_dir).resolve() / STUDY_FILE}?timeout=60"
+
+
+def uncached(study):
+    """The study reading its storage directly: Optuna's cache would hide from the driver what the
+    trials, in other processes, wrote (intermediate values, pruning, run dirs)."""
+    study._storage = getattr(study._storage, "_backend", study._storage)
+    return study
+
+
+def finished_trials(study) -> List:
+    """Complete, pruned and failed trials, without those cut short by a dead driver."""
+    from optuna.trial import TrialState
+
+    return [t for t in study.get_trials(deepcopy=False)
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+            or (t.state == TrialState.FAIL and not t.user_attrs.get(INTERRUPTED))]
+
+
+def failed_trials(study) -> List:
+    from optuna.trial import TrialState
+
+    return [t for t in finished_trials(study) if t.state == TrialState.FAIL]
+
+
+def load_sweep_study(sweep_dir: Path, study_name: str = ""):
+    """The study of a sweep dir's sqlite storage (its only study unless study_name says which)."""
+    import optuna
+
+    path = Path(sweep_dir) / STUDY_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; give the sweep dir of a hydra/sweeper=runlab sweep.")
+    storage = default_storage(sweep_dir)
+    if not study_name:
+        names = [summary.study_name for summary in optuna.get_all_study_summaries(storage)]
+        if len(names) != 1:
+            raise ValueError(f"{path} holds the studies {names}; name one with --study.")
+        study_name = names[0]
+    return uncached(optuna.load_study(study_name=study_name, storage=storage))

@@ -1,0 +1,68 @@
+"""The plugins' config schemas, registered in Hydra's ConfigStore on discovery."""
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from hydra_plugins.hydra_ray_launcher._config import RayConf
+from omegaconf import MISSING
+
+@dataclass
+class PrunerConfig:
+    _target_: str = "optuna.pruners.MedianPruner"
+
+@dataclass
+class MedianPrunerConfig(PrunerConfig):
+    _target_: str = "optuna.pruners.MedianPruner"
+    n_startup_trials: int = 4  # trials that always run to the end, to build the median from
+    n_warmup_steps: int = 1  # epochs a trial runs before it can be pruned
+    interval_steps: int = 1
+
+@dataclass
+class SuccessiveHalvingPrunerConfig(PrunerConfig):
+    _target_: str = "optuna.pruners.SuccessiveHalvingPruner"
+    min_resource: Any = "auto"
+    reduction_factor: int = 3
+    min_early_stopping_rate: int = 0
+
+@dataclass
+class HyperbandPrunerConfig(PrunerConfig):
+    _target_: str = "optuna.pruners.HyperbandPruner"
+    min_resource: int = 1
+    max_resource: Any = "auto"
+    reduction_factor: int = 3
+
+@dataclass
+class RunlabSweeperConf:
+    """Optuna, as the stock hydra-optuna-sweeper, plus pruning, resume, failure tolerance and a report."""
+
+    _target_: str = "hydra_plugins.runlab_sweeper.sweeper.RunlabSweeper"
+    defaults: List[Any] = field(default_factory=lambda: ["_self_", {"sampler": "tpe"}, {"pruner": None}])
+    sampler: Any = MISSING  # hydra/sweeper/sampler=tpe|random|cmaes|... (hydra-optuna-sweeper's)
+    pruner: Optional[PrunerConfig] = None  # hydra/sweeper/pruner=median|successive_halving|hyperband
+    direction: str = "maximize"  # of optimized_metric
+    # The study persists here; every trial opens it to report epochs. Empty: sqlite in the sweep dir.
+    storage: str = ""
+    study_name: str = "${name}"  # re-running the same command resumes the study of this name
+    n_trials: int = 20  # finished trials (complete, pruned or failed) the study should reach
+    n_jobs: int = 1  # trials launched together; > 1 only helps with a parallel launcher (Ray)
+    max_failure_rate: float = 0.25  # of n_trials; one failure more and the sweep stops
+    params: Optional[Dict[str, str]] = None  # the search space, in Hydra's override syntax
+    # Where the best trial's experiment YAML goes (run it with experiment=<study_name>_best).
+    export_dir: str = ""  # "": the project's experiments/
+
+@dataclass
+class RunlabRayLauncherConf:
+    """hydra-ray-launcher's local launcher, with clear errors and a safe cluster connection."""
+
+    _target_: str = "hydra_plugins.runlab_sweeper.ray_launcher.RunlabRayLauncher"
+    ray: RayConf = field(default_factory=RayConf)
+
+def register() -> None:
+    store = ConfigStore.instance()
+    store.store(group="hydra/sweeper", name="runlab", node=RunlabSweeperConf, provider="runlab")
+    for name, node in (("median", MedianPrunerConfig), ("successive_halving", SuccessiveHalvingPrunerConfig),
+                       ("hyperband", HyperbandPrunerConfig)):
+        store.store(group="hydra/sweeper/pruner", name=name, node=node, provider="runlab")
+    store.store(group="hydra/launcher", name="runlab_ray", node=RunlabRayLauncherConf, provider="runlab")
+
+register()

@@ -1,0 +1,30 @@
+"""A testing aid for sweeps: an MLP that fails the way real runs fail, in chosen trials.
+
+    model._target_=faulty_model.FaultyMLP '+model.trial=${search.trial}' '+model.faults={1:raise,2:nan_loss,3:oom}'
+
+needs tests/ on PYTHONPATH. ``raise`` raises, ``nan_loss`` returns NaN logits (so the loss is
+NaN), ``oom`` raises the RuntimeError that PyTorch's CPU allocator raises when memory runs out.
+"""
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from framework.model import MLP
+
+CPU_OOM = ("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+           "you tried to allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)")
+
+
+class FaultyMLP(MLP):
+    def __init__(self, input_shape: Sequence[int], num_classes: int, trial: int = -1,
+                 faults: Optional[Dict[int, str]] = None, **mlp_kwargs):
+        super().__init__(input_shape, num_classes, **mlp_kwargs)
+        self.fault = (faults or {}).get(trial, "none")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fault == "raise":
+            raise ValueError("a deliberately failing trial")
+        if self.fault == "oom":
+            raise RuntimeError(CPU_OOM)
+        logits = super().forward(x)
+        return logits * float("nan") if self.fault == "nan_loss" else logits

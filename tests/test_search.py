@@ -1,0 +1,217 @@
+"""Sweeps end to end: real `python run.py` multiruns of tiny digits runs, outputs under tmp_path."""
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, read_metrics
+
+# Seconds-long trials: 2 epochs of a one-layer MLP, CSV logs (TensorBoard where a test needs it).
+TINY = ["trainer.max_epochs=2", "trainer.progress_bar=false", "model.width=32", "model.depth=1", "batch_size=64",
+        "logger=csv"]
+WITH_AIDS = {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+
+
+def sweep(cli, tmp_path: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    """A runlab sweep of tiny trials; its best experiment goes to tmp_path/search_path/experiment."""
+    return cli(*TINY, *args, f"hydra.sweeper.export_dir={tmp_path / 'search_path' / 'experiment'}", **kwargs)
+
+
+def sweep_dir(tmp_path: Path, study: str) -> Path:
+    return tmp_path / "outputs" / "train" / "multirun" / study
+
+
+def trials_table(directory: Path):
+    with open(directory / "trials.csv") as handle:
+        return list(csv.DictReader(handle))
+
+
+def study_states(directory: Path):
+    with sqlite3.connect(directory / "study.db") as db:
+        return dict(db.execute("select number, state from trials"))
+
+
+def test_sweep_configs_compose_as_multiruns(tmp_path):
+    from conftest import composed
+
+    grid = composed("search=grid")
+    assert grid.hydra.mode.name == "MULTIRUN" and grid.hydra.sweeper.params["lr"] == "1e-3,3e-3"
+    for name, sampler in (("random", "RandomSampler"), ("tpe", "TPESampler")):
+        cfg = composed(f"search={name}")
+        assert cfg.hydra.sweeper._target_.endswith("RunlabSweeper")
+        assert cfg.hydra.sweeper.sampler._target_ == f"optuna.samplers.{sampler}"
+        assert set(cfg.hydra.sweeper.params) == {"lr", "batch_size", "model.width", "model.depth", "optimizer.weight_decay"}
+    # The stock plugins stay available.
+    assert composed("search=tpe", "hydra/sweeper=optuna").hydra.sweeper._target_.endswith("OptunaSweeper")
+
+
+@pytest.mark.timeout(240)
+def test_command_line_grid_runs_one_complete_job_per_value(tmp_path):
+    command = [sys.executable, "run.py", "-m", "lr=1e-3,3e-3", *TINY, f"paths.output_dir={tmp_path / 'outputs'}"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=200)
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = sorted((tmp_path / "outputs" / "train" / "multirun").glob("*/*/metrics.json"))
+    assert len(runs) == 2
+    lrs = sorted(float(p.parent.joinpath(".hydra/overrides.yaml").read_text().split("lr=")[1].split()[0]) for p in runs)
+    assert lrs == [1e-3, 3e-3]
+    assert all(read_metrics(p.parent)["epoch"] == 2 for p in runs)
+
+
+@pytest.mark.timeout(240)
+def test_random_sweep_runs_n_trials_and_writes_its_report(cli, tmp_path):
+    result = sweep(cli, tmp_path, "search=random", "hydra.sweeper.n_trials=3")
+    assert result.returncode == 0, result.stderr[-2000:]
+    directory = sweep_dir(tmp_path, "train_random")
+    rows = trials_table(directory)
+    assert [row["state"] for row in rows] == ["COMPLETE"] * 3
+    assert len({row["lr"] for row in rows}) == 3
+    for number in range(3):
+        assert float(rows[number]["value"]) == read_metrics(directory / str(number))["val/acc"]
+    assert "Trials of study 'train_random'" in result.stdout
+    # On demand, from the study alone (as for a sweep still running):
+    (directory / "trials.csv").unlink()
+    report = subprocess.run([sys.executable, "-m", "framework.search.report", str(directory)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert trials_table(directory) == rows and "Best trial #" in report.stdout
+
+
+@pytest.mark.timeout(300)
+def test_tpe_sweep_report_and_best_experiment_reproduces_the_best_value(cli, tmp_path):
+    export = tmp_path / "search_path" / "experiment"
+    result = sweep(cli, tmp_path, "search=tpe", "hydra.sweeper.n_trials=4", "logger=tensorboard")
+    assert result.returncode == 0, result.stderr[-2000:]
+    directory = sweep_dir(tmp_path, "train_tpe")
+    for name in ("trials.csv", "optimization_history.png", "parallel_coordinates.png", "param_importances.png",
+                 "best.yaml"):
+        assert (directory / name).stat().st_size > 0, name
+    rows = trials_table(directory)
+    assert len(rows) == 4 and all(row["state"] == "COMPLETE" for row in rows)
+    best = max(rows, key=lambda row: float(row["value"]))
+    assert (export / "train_tpe_best.yaml").read_text() == (directory / "best.yaml").read_text()
+
+    again = cli(f"hydra.searchpath=[file://{export.parent}]", "experiment=train_tpe_best",
+                f"hydra.run.dir={tmp_path / 'again'}")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert read_metrics(tmp_path / "again")["val/acc"] == pytest.approx(float(best["value"]), abs=1e-9)
+    assert_every_trial_in_hparams_tab(directory, rows)
+
+
+def assert_every_trial_in_hparams_tab(directory: Path, rows) -> None:
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    multiplexer = EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(directory))
+    multiplexer.Reload()
+    sessions = {}
+    for run, tags in multiplexer.PluginRunToTagToContent("hparams").items():
+        for content in tags.values():
+            data = plugin_data_pb2.HParamsPluginData.FromString(content)
+            if data.HasField("session_start_info"):
+                sessions[run] = data.session_start_info.hparams
+    assert len(sessions) == len(rows)
+    for row in rows:
+        hparams = sessions[f"{row['number']}/tensorboard"]
+        assert hparams["optimizer.weight_decay"].number_value == pytest.approx(float(row["optimizer.weight_decay"]))
+
+
+FAULTS = ["model._target_=faulty_model.FaultyMLP", "+model.trial=${search.trial}", "+model.faults={1:raise,2:nan_loss,3:oom}",
+          "optimized_metric=val/loss", "hydra.sweeper.direction=minimize"]
+
+
+@pytest.mark.timeout(400)
+def test_failing_trials_are_recorded_failed_and_too_many_stop_the_sweep(cli, tmp_path):
+    # Trial 1 raises, 2 returns NaN, 3 runs out of memory. With at most 1 failure allowed the
+    # sweep stops after trial 2; the same command with a higher limit resumes and finishes.
+    stopped = sweep(cli, tmp_path, "search=random", "hydra.sweeper.n_trials=5", "hydra.sweeper.max_failure_rate=0.2",
+                    *FAULTS, env=WITH_AIDS)
+    assert stopped.returncode != 0
+    assert "Stopped the sweep: 2 of 3 trials failed, more than max_failure_rate=0.2 of n_trials=5 allows (1)" in stopped.stderr
+    assert "#1: ValueError: a deliberately failing trial; #2: the run returned nan" in stopped.stderr
+    directory = sweep_dir(tmp_path, "train_random")
+    assert study_states(directory) == {0: "COMPLETE", 1: "FAIL", 2: "FAIL"}
+
+    finished = sweep(cli, tmp_path, "search=random", "hydra.sweeper.n_trials=5", "hydra.sweeper.max_failure_rate=0.6",
+                     *FAULTS, env=WITH_AIDS)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    rows = trials_table(directory)
+    assert [row["state"] for row in rows] == ["COMPLETE", "FAIL", "FAIL", "FAIL", "COMPLETE"]
+    assert rows[1]["error"] == "ValueError: a deliberately failing trial"
+    assert "in forward" in (directory / "1" / "error.txt").read_text()
+    assert rows[2]["error"] == "the run returned nan for its optimized_metric"
+    assert rows[3]["error"].startswith("out of memory: RuntimeError: [enforce fail at alloc_cpu.cpp:117]")
+
+
+@pytest.mark.timeout(300)
+def test_median_pruner_stops_hopeless_trials_early(cli, tmp_path):
+    # Half the space cannot learn (lr=1e-7); after two full trials the median pruner stops those.
+    result = sweep(cli, tmp_path, "search=random", "hydra.sweeper.n_trials=4", "hydra/sweeper/pruner=median",
+                   "hydra.sweeper.pruner.n_startup_trials=2", "hydra.sweeper.pruner.n_warmup_steps=1",
+                   "hydra.sweeper.params.lr='choice(0.03,1e-7)'", "trainer.max_epochs=3", "early_stopping.enabled=false")
+    assert result.returncode == 0, result.stderr[-2000:]
+    directory = sweep_dir(tmp_path, "train_random")
+    rows = trials_table(directory)
+    pruned = [row for row in rows if row["state"] == "PRUNED"]
+    assert pruned and all(float(row["lr"]) == 1e-7 for row in pruned)
+    for row in pruned:
+        metrics = read_metrics(directory / row["number"])
+        assert metrics["epoch"] < 3  # stopped early
+        assert float(row["value"]) == metrics["val/acc"]  # recorded with its last value
+    assert all(read_metrics(directory / row["number"])["epoch"] == 3 for row in rows if row["state"] == "COMPLETE")
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_sweep_resumes_to_n_trials_without_duplicates(cli, tmp_path):
+    args = ["search=random", "hydra.sweeper.n_trials=5", "trainer.max_epochs=3"]
+    command = [sys.executable, "run.py", f"paths.output_dir={tmp_path / 'outputs'}", *TINY, *args,
+               f"hydra.sweeper.export_dir={tmp_path / 'search_path' / 'experiment'}"]
+    driver = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    directory = sweep_dir(tmp_path, "train_random")
+    try:
+        deadline = time.monotonic() + 200
+        while sum(state == "COMPLETE" for state in states_or_none(directory).values()) < 2:
+            assert driver.poll() is None and time.monotonic() < deadline, "the sweep ended before it could be killed"
+            time.sleep(0.2)
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    before = study_states(directory)
+    assert 2 <= list(before.values()).count("COMPLETE") < 5
+
+    result = sweep(cli, tmp_path, *args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    after = study_states(directory)
+    assert list(after.values()).count("COMPLETE") == 5
+    assert all(after[number] == "COMPLETE" for number, state in before.items() if state == "COMPLETE")
+    interrupted = [n for n, state in before.items() if state == "RUNNING"]
+    assert all(after[number] == "FAIL" for number in interrupted)
+    assert len(after) == len(before) + 5 - list(before.values()).count("COMPLETE")
+    assert len(list(directory.glob("*/metrics.json"))) == 5
+
+
+def states_or_none(directory: Path):
+    try:
+        return study_states(directory)
+    except sqlite3.OperationalError:  # not created yet
+        return {}
+
+
+@pytest.mark.timeout(300)
+def test_ray_launcher_runs_trials_in_parallel_on_two_local_cpus(cli, tmp_path):
+    result = sweep(cli, tmp_path, "search=random", "launcher=ray_local", "hydra.sweeper.n_trials=2",
+                   "hydra.sweeper.n_jobs=2", "+hydra.launcher.ray.init.num_cpus=2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    directory = sweep_dir(tmp_path, "train_random")
+    assert study_states(directory) == {0: "COMPLETE", 1: "COMPLETE"}
+    for number in (0, 1):
+        assert "torch runs on 1 threads" in (directory / str(number) / "train.log").read_text()
+        assert read_metrics(directory / str(number))["epoch"] == 2
