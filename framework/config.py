@@ -245,6 +245,10 @@ def validate(cfg: DictConfig) -> None:
         _require(Path(cfg.ckpt).exists(), f"ckpt={cfg.ckpt!r} does not exist.")
     _one_of("eval.split", cfg.eval.split, SPLITS)
     _validate_finetune(cfg.finetune)
+    # DDP registers the parameters that need gradients when it wraps the model; ones unfrozen later would never sync.
+    _require(not (cfg.parallel.mode == "ddp" and cfg.finetune.unfreeze_at_epoch >= 0),
+             f"finetune.unfreeze_at_epoch={cfg.finetune.unfreeze_at_epoch} is not supported with parallel=ddp; "
+             "keep the backbone frozen (-1) or unfreeze from the start.")
 
 
 def _validate_search(search: DictConfig) -> None:

@@ -194,3 +194,10 @@ def test_files_that_would_run_code_are_refused_and_never_executed(train, cli, tm
     with pytest.raises(CheckpointError, match="not a runlab export"):
         load_artifact(tmp_path / "artifact")
     assert not marker.exists()
+
+
+def test_unfreezing_later_under_ddp_is_refused_before_any_work(train):
+    from framework.config import ConfigError
+
+    with pytest.raises(ConfigError, match="finetune.unfreeze_at_epoch=1 is not supported with parallel=ddp"):
+        train("parallel=ddp", "finetune.freeze=[block0.*]", "finetune.unfreeze_at_epoch=1")
