@@ -16,7 +16,7 @@ import functools
 import gc
 import logging
 import math
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig
@@ -174,15 +174,20 @@ class OOMRecovery:
             self.failure = str(error).strip().splitlines()[0][:300]
         return None
 
-    def back_off(self, micro_batch: int, batch: int, step: int, logger) -> int:
-        """The micro-batch to retry the step with, after freeing what the failed attempt held."""
+    def _halve(self, size: int, what: str, drop_grads: bool) -> Tuple[int, float, float]:
+        """Free what the failed attempt held; the halved size and the memory before and after."""
         before = allocated_mb(self.env.device)
-        self.optimizer.zero_grad(set_to_none=True)
+        if drop_grads:
+            self.optimizer.zero_grad(set_to_none=True)
         release_memory(self.env.device)
         after = allocated_mb(self.env.device)
-        if micro_batch == 1:
-            raise DoesNotFitError(self.does_not_fit("micro-batch"))
-        smaller = micro_batch // 2
+        if size == 1:
+            raise DoesNotFitError(self.does_not_fit(what))
+        return size // 2, before, after
+
+    def back_off(self, micro_batch: int, batch: int, step: int, logger) -> int:
+        """The micro-batch to retry the step with, after freeing what the failed attempt held."""
+        smaller, before, after = self._halve(micro_batch, "micro-batch", drop_grads=True)
         self.backoffs += 1
         if self.env.is_main:
             log.warning("Out of memory at micro-batch %d (%s). Retrying step %d at micro-batch %d: accumulation %d -> %d, "
@@ -193,12 +198,7 @@ class OOMRecovery:
         return smaller
 
     def back_off_eval(self, eval_batch: int, step: int, logger) -> int:
-        before = allocated_mb(self.env.device)
-        release_memory(self.env.device)
-        after = allocated_mb(self.env.device)
-        if eval_batch == 1:
-            raise DoesNotFitError(self.does_not_fit("eval batch"))
-        smaller = eval_batch // 2
+        smaller, before, after = self._halve(eval_batch, "eval batch", drop_grads=False)
         self.eval_backoffs += 1
         if self.env.is_main:
             log.warning("Out of memory in evaluation at batch %d (%s). Re-running the pass at batch %d; "
