@@ -208,11 +208,20 @@ def states_or_none(directory: Path):
 
 @pytest.mark.timeout(300)
 def test_ray_launcher_runs_trials_in_parallel_on_two_local_cpus(cli, tmp_path):
-    result = sweep(cli, tmp_path, "search=random", "launcher=ray_local", "hydra.sweeper.n_trials=2",
+    # 3 trials on 2 slots: the third starts in whichever slot frees first.
+    result = sweep(cli, tmp_path, "search=random", "launcher=ray_local", "hydra.sweeper.n_trials=3",
                    "hydra.sweeper.n_jobs=2", "+hydra.launcher.ray.init.num_cpus=2")
     assert result.returncode == 0, result.stderr[-2000:]
     directory = sweep_dir(tmp_path, "train_random")
-    assert study_states(directory) == {0: "COMPLETE", 1: "COMPLETE"}
-    for number in (0, 1):
+    assert study_states(directory) == {0: "COMPLETE", 1: "COMPLETE", 2: "COMPLETE"}
+    for number in (0, 1, 2):
         assert "torch runs on 1 threads" in (directory / str(number) / "train.log").read_text()
         assert read_metrics(directory / str(number))["epoch"] == 2
+
+
+@pytest.mark.timeout(300)
+def test_a_command_line_grid_runs_on_the_ray_launcher(cli, tmp_path):
+    result = cli("-m", *TINY, "lr=1e-3,3e-3", "launcher=ray_local", "+hydra.launcher.ray.init.num_cpus=2",
+                 f"hydra.sweep.dir={tmp_path / 'grid'}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [read_metrics(tmp_path / "grid" / str(number))["epoch"] for number in (0, 1)] == [2, 2]

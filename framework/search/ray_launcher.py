@@ -1,8 +1,9 @@
 """hydra-ray-launcher's local launcher (``launcher=ray_local``), made safe for sweeps.
 
 Over the stock one it: never passes ``object_store_memory`` when connecting to an existing
-cluster (Ray refuses it there), turns a Ray that cannot start into one clear error, and
-turns a trial whose worker died into a failed trial instead of a dead sweep.
+cluster (Ray refuses it there), turns a Ray that cannot start into one clear error, turns a
+trial whose worker died into a failed trial instead of a dead sweep, and hands each trial
+back as it ends, so runlab's sweeper refills a slot at once (``TrialSlots``).
 """
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Sequence
+from typing import Any, List, Sequence, Tuple
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides, setup_globals
 from hydra_plugins.hydra_ray_launcher.ray_launcher import RayLauncher
 from omegaconf import OmegaConf, open_dict
+
+from framework.search.slots import TrialSlots
 
 log = logging.getLogger(__name__)
 
@@ -62,24 +65,38 @@ def start_ray(init: dict) -> None:
                             "or run the trials without Ray (drop launcher=ray_local).") from None
 
 
-class ClearRayLauncher(RayLauncher):
+class ClearRayLauncher(RayLauncher, TrialSlots):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        """Hydra's interface (the basic sweeper with launcher=ray_local): all jobs at once."""
+        runs = [self.submit(overrides, idx) for idx, overrides in enumerate(job_overrides, start=initial_job_idx)]
+        return [self.result(run) for run in runs]
+
+    def submit(self, overrides: Sequence[str], number: int):
         # Imported here: Hydra imports every plugin module on start-up, and Ray costs ~0.4 s.
         from hydra_plugins.hydra_ray_launcher._launcher_util import launch_job_on_ray
 
         setup_globals()
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         start_ray(OmegaConf.to_container(self.ray_cfg.init, resolve=True))
-        runs = []
-        for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
-            log.info("\t#%d : %s", idx, " ".join(filter_overrides(overrides)))
-            sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-            with open_dict(sweep_config):
-                sweep_config.hydra.job.id = f"job_id_for_{idx}"
-                sweep_config.hydra.job.num = idx
-            runs.append(launch_job_on_ray(self.hydra_context, self.ray_cfg.remote, sweep_config, self.task_function,
-                                          Singleton.get_state()))
-        return [self.result(run) for run in runs]
+        log.info("\t#%d : %s", number, " ".join(filter_overrides(overrides)))
+        sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        with open_dict(sweep_config):
+            sweep_config.hydra.job.id = f"job_id_for_{number}"
+            sweep_config.hydra.job.num = number
+        return launch_job_on_ray(self.hydra_context, self.ray_cfg.remote, sweep_config, self.task_function,
+                                 Singleton.get_state())
+
+    def next_finished(self, handles: List[Any]) -> Tuple[Any, JobReturn]:
+        import ray
+
+        (done,), _ = ray.wait(handles, num_returns=1)
+        return done, self.result(done)
+
+    def cancel(self, handles: List[Any]) -> None:
+        import ray
+
+        for handle in handles:
+            ray.cancel(handle, force=True)
 
     @staticmethod
     def result(run) -> JobReturn:

@@ -28,6 +28,7 @@ from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_override
 from omegaconf import DictConfig, OmegaConf
 
 from framework.entry import CONF_DIR
+from framework.search.slots import BatchSlots, TrialSlots
 from framework.search.study import INTERRUPTED, default_storage, failed_trials, finished_trials, uncached
 
 log = logging.getLogger(__name__)
@@ -81,15 +82,23 @@ class StudySweeper(Sweeper):
         for name in fixed:
             space.pop(name, None)
         study = self.open_study()
-        self.mark_interrupted(study)
+        self.mark_interrupted(study, "the previous sweep driver stopped during this trial")
+        slots = self.launcher if isinstance(self.launcher, TrialSlots) else BatchSlots(self.launcher)
         allowed_failures = math.floor(self.max_failure_rate * self.n_trials)
-        while (remaining := self.n_trials - len(finished_trials(study))) > 0:
-            trials = [study.ask() for _ in range(min(self.n_jobs, remaining))]
-            overrides = [self.trial_overrides(trial, space, fixed) for trial in trials]
-            returns = self.launcher.launch(overrides, initial_job_idx=trials[0].number)
-            for trial, result in zip(trials, returns):
-                self.record(study, trial, result)
+        running: Dict[Any, Any] = {}  # launcher handle -> Optuna trial
+        while True:
+            # Keep n_jobs trials in flight: a slot freed by a short (pruned, failed) trial gets the
+            # next one at once instead of waiting for the slowest trial of a batch.
+            while len(running) < min(self.n_jobs, self.n_trials - len(finished_trials(study))):
+                trial = study.ask()
+                running[slots.submit(self.trial_overrides(trial, space, fixed), trial.number)] = trial
+            if not running:
+                break
+            handle, result = slots.next_finished(list(running))
+            self.record(study, running.pop(handle), result)
             if len(failed_trials(study)) > allowed_failures:
+                slots.cancel(list(running))
+                self.mark_interrupted(study, "the sweep stopped on too many failures")
                 write_report(study, self.sweep_dir, self.export_dir)
                 raise SweepError(self.failure_summary(study, allowed_failures))
         write_report(study, self.sweep_dir, self.export_dir)
@@ -112,15 +121,17 @@ class StudySweeper(Sweeper):
         return study
 
     @staticmethod
-    def mark_interrupted(study) -> None:
-        """Trials still RUNNING belong to a driver that was killed: fail them, so they are run again."""
+    def mark_interrupted(study, why: str) -> None:
+        """Fail the trials still RUNNING, flagged interrupted: they do not count towards n_trials,
+        so the next run of the sweep command replaces them."""
         from optuna.trial import TrialState
 
         for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             study._storage.set_trial_user_attr(trial._trial_id, INTERRUPTED, True)
-            study._storage.set_trial_user_attr(trial._trial_id, "error", "interrupted: the sweep driver stopped during this trial")
+            study._storage.set_trial_user_attr(trial._trial_id, "error", f"interrupted: {why}")
             study._storage.set_trial_state(trial._trial_id, TrialState.FAIL)
-            log.warning("Trial %d was interrupted by the previous driver; a new trial replaces it.", trial.number)
+            log.warning("Trial %d was interrupted (%s); a new trial replaces it when the sweep runs again.",
+                        trial.number, why)
 
     def trial_overrides(self, trial, space: Dict[str, Any], fixed: Dict[str, str]) -> Sequence[str]:
         for name, distribution in space.items():
