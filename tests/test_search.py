@@ -217,6 +217,9 @@ def test_ray_launcher_runs_trials_in_parallel_on_two_local_cpus(cli, tmp_path):
     for number in (0, 1, 2):
         assert "torch runs on 1 threads" in (directory / str(number) / "train.log").read_text()
         assert read_metrics(directory / str(number))["epoch"] == 2
+    # The Ray workers reported every epoch to the shared study, which is what a pruner reads.
+    with sqlite3.connect(directory / "study.db") as db:
+        assert db.execute("select count(*) from trial_intermediate_values").fetchone() == (6,)
 
 
 @pytest.mark.timeout(300)
