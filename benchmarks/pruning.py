@@ -1,6 +1,6 @@
 """TPE sweeps with the median pruner vs the same sweeps without, side by side in one run.
 
-    PYTHONPATH=$PWD python benchmarks/pruning.py [--trials 20] [--epochs 10] [--seeds 0 1 2]
+    PYTHONPATH=$PWD python benchmarks/pruning.py [--trials 20] [--epochs 10] [--seeds 0 1 2 3 4]
 
 The pruner runs with its shipped settings (hydra/sweeper/pruner=median: 3 startup trials, pruning
 from the first epoch). Each pair of sweeps searches the shipped space (search=tpe) on the digits

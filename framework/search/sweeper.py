@@ -89,7 +89,8 @@ class StudySweeper(Sweeper):
         while True:
             # Keep n_jobs trials in flight: a slot freed by a short (pruned, failed) trial gets the
             # next one at once instead of waiting for the slowest trial of a batch.
-            while len(running) < min(self.n_jobs, self.n_trials - len(finished_trials(study))):
+            unstarted = self.n_trials - len(finished_trials(study)) - len(running)
+            for _ in range(min(self.n_jobs - len(running), unstarted)):
                 trial = study.ask()
                 running[slots.submit(self.trial_overrides(trial, space, fixed), trial.number)] = trial
             if not running:
