@@ -11,6 +11,7 @@ shows progress and writes files; the others log warnings only, prefixed with the
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -68,6 +69,10 @@ class DistributedEnvironment(Environment):
 
     def cleanup(self) -> None:
         if dist.is_initialized():
+            # The finished Trainer, and with it the DDP reducer that holds the group, sits in a
+            # reference cycle; left to the collector it could be freed during interpreter exit,
+            # after the group is gone, where gloo's teardown can abort the process (SIGABRT).
+            gc.collect()
             dist.destroy_process_group()
 
 
