@@ -6,6 +6,7 @@ position, every RNG state and the resolved config with the model's constructor c
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import pickle
@@ -13,23 +14,24 @@ import random
 import shutil
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import numpy as np
 import torch
 from hydra.utils import get_object
 from torch import nn
 
+from framework.errors import CheckpointError, ResourceError
 from framework.model import build_model
 
 log = logging.getLogger(__name__)
 
 FORMAT = "runlab-checkpoint"
 VERSION = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, corrupt or not ours; the message is one sentence."""
+FULL_DISK_BYTES = 1 << 20  # less free space than this after a failed write: the disk is full
+# What a training run saves (Trainer.state) and needs back to resume; "metrics" came later and is optional.
+TRAINING_STATE = ("model", "model_spec", "optimizer", "scheduler", "scaler", "epoch", "step", "batch_in_epoch",
+                  "micro_batch", "checkpointer", "early_stopping", "rng", "config")
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -49,9 +51,26 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as error:
+        if not disk_full(error, path.parent):
+            raise
+        kept = f"the previous {path.name} is kept" if path.exists() else f"no {path.name} was written before"
+        raise ResourceError(f"no space left on device writing {path}; {kept}. Free some space, then continue with "
+                            "resume=auto.") from None
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
+
+
+def disk_full(error: BaseException, directory: Path) -> bool:
+    """Whether a failed write failed for want of space. torch.save reports it as a RuntimeError
+    ("unexpected pos"), not ENOSPC, so the free space is read while the partial file still fills it."""
+    if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    try:
+        return shutil.disk_usage(directory).free < FULL_DISK_BYTES
+    except OSError:
+        return False
 
 
 def save_checkpoint(state: Dict[str, Any], path: Path) -> None:
@@ -90,11 +109,16 @@ def read_weights_only(path: Path) -> Any:
         raise CheckpointError(f"{path} is corrupt or truncated and cannot be read ({type(error).__name__}).") from None
 
 
-def load_checkpoint(path: str | Path) -> Dict[str, Any]:
+def load_checkpoint(path: str | Path, require: Sequence[str] = ()) -> Dict[str, Any]:
+    """A runlab checkpoint's dict, refused unless it holds every key in ``require``."""
     path = resolve_checkpoint_path(path)
     state = read_weights_only(path)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a runlab checkpoint (it lacks the runlab format marker).")
+    missing = [key for key in require if key not in state]
+    if missing:
+        raise CheckpointError(f"{path} has the runlab marker but lacks {', '.join(missing)}: it is damaged, or was "
+                              "not written by a training run.")
     return state
 
 
@@ -132,7 +156,7 @@ def model_from_state(state: Dict[str, Any], source: str | Path) -> nn.Module:
 
 def load_model(path: str | Path, device: str = "cpu") -> nn.Module:
     """Rebuild a trained model from a checkpoint alone, in eval mode: the way to share a run."""
-    return model_from_state(load_checkpoint(path), path).to(device).eval()
+    return model_from_state(load_checkpoint(path, require=("model", "model_spec")), path).to(device).eval()
 
 
 # --- RNG state -------------------------------------------------------------------------
@@ -225,6 +249,17 @@ class Checkpointer:
             self._write(copy, improved)
             self.wait()
 
+    def save_last(self, state: Callable[[], Dict[str, Any]]) -> None:
+        """Write last.pt now, on this thread: the run is stopping mid-epoch and a resume continues here."""
+        if self.enabled and self.is_writer:
+            self.wait()
+            save_checkpoint(state(), self.last)
+
+    def adopt_best(self, best: Path) -> None:
+        """A resumed run starts with the best checkpoint of the run it continues, so its test uses it."""
+        if self.enabled and self.is_writer and best.is_file() and best.resolve() != self.best.resolve():
+            atomic_write(self.best, lambda tmp: shutil.copyfile(best, tmp))
+
     def _write(self, state: Dict[str, Any], improved: bool) -> None:
         try:
             save_checkpoint(state, self.last)
@@ -258,6 +293,9 @@ class EarlyStopping:
     def update(self, metrics: Dict[str, float]) -> bool:
         """Record one epoch's metrics; True when training should stop."""
         self.bad_epochs = 0 if self.tracker.improved(metrics) else self.bad_epochs + 1
+        return self.exhausted()
+
+    def exhausted(self) -> bool:
         return self.enabled and self.bad_epochs >= self.patience
 
     def state_dict(self) -> Dict[str, Any]:

@@ -7,16 +7,16 @@ in a key or a value of the wrong type is refused by Hydra while composing, and
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, ListConfig
 
-
-class ConfigError(ValueError):
-    """A config value that cannot work. The message is one sentence meant for the user."""
+from framework import paths  # noqa: F401  (registers the runlab.* resolvers the configs use)
+from framework.errors import ConfigError
 
 
 @dataclass
@@ -58,6 +58,7 @@ class TrainerConfig:
     progress_bar: bool = True  # shown only when stderr is a terminal
     deterministic: bool = False
     test_after_fit: bool = True  # evaluate the best checkpoint on the test split
+    on_nonfinite: str = "stop"  # a step with a non-finite loss or gradient norm: stop the run | skip the step
 
 
 @dataclass
@@ -132,7 +133,7 @@ class TroubleshootConfig:
 
 @dataclass
 class PathsConfig:
-    root_dir: str = "${hydra:runtime.cwd}"
+    root_dir: str = "${runlab.cwd:}"
     output_dir: str = "${paths.root_dir}/outputs"
 
 
@@ -191,6 +192,9 @@ LOGGERS = ("tensorboard", "csv", "wandb", "none")
 PARALLEL_MODES = ("none", "dp", "ddp", "model")
 BACKENDS = ("auto", "nccl", "gloo")
 MODES = ("min", "max")
+NONFINITE_POLICIES = ("stop", "skip")
+# Integer hyperparameters of the shipped models (framework/model.py): sizes and counts, all at least 1.
+MODEL_SIZES = ("width", "depth", "channels", "stages", "blocks_per_stage")
 # Metrics every training run produces; best/<m> mirrors the checkpoint monitor.
 RUN_METRICS = ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc")
 
@@ -220,8 +224,10 @@ def known_metrics(cfg: DictConfig) -> tuple:
 def validate(cfg: DictConfig) -> None:
     """Reject values that type-check but cannot work, naming the key, the value and what is allowed."""
     _one_of("task", cfg.task, TASKS)
-    _require(cfg.lr > 0, f"lr={cfg.lr} is invalid; the learning rate must be a positive number.")
+    _require(math.isfinite(cfg.lr) and cfg.lr > 0, f"lr={cfg.lr} is invalid; the learning rate must be a positive number.")
     _require(cfg.batch_size >= 1, f"batch_size={cfg.batch_size} is invalid; it must be a positive integer.")
+    _require(0 <= cfg.seed < 2**32, f"seed={cfg.seed} is invalid; it must be an integer from 0 to 2**32 - 1.")
+    _validate_device(cfg.device)
     _validate_data(cfg.data)
     _validate_trainer(cfg.trainer)
     _validate_parallel(cfg.parallel)
@@ -231,10 +237,13 @@ def validate(cfg: DictConfig) -> None:
         _one_of(f"{group}.mode", cfg[group].mode, MODES)
         _one_of(f"{group}.monitor", cfg[group].monitor, RUN_METRICS)
     _require(cfg.early_stopping.patience >= 1, f"early_stopping.patience={cfg.early_stopping.patience} is invalid; it must be at least 1.")
+    _require(math.isfinite(cfg.early_stopping.min_delta) and cfg.early_stopping.min_delta >= 0,
+             f"early_stopping.min_delta={cfg.early_stopping.min_delta} is invalid; it must be a finite number, 0 or more.")
     _one_of("optimized_metric", cfg.optimized_metric, known_metrics(cfg))
     for group in ("model", "optimizer"):
         _require(isinstance(cfg[group], DictConfig) and "_target_" in cfg[group], f"{group} has no _target_; pick one with {group}=NAME.")
         _importable(f"{group}._target_", cfg[group]._target_)
+    _validate_model(cfg.model)
     if cfg.scheduler is not None:
         _one_of("scheduler.interval", cfg.scheduler.interval, ("epoch", "step"))
         _importable("scheduler.build._target_", cfg.scheduler.build._target_)
@@ -251,6 +260,27 @@ def validate(cfg: DictConfig) -> None:
              "keep the backbone frozen (-1) or unfreeze from the start.")
 
 
+def _validate_device(device: str) -> None:
+    import torch
+
+    try:
+        torch.device(device if device != "auto" else "cpu")
+    except RuntimeError:
+        raise ConfigError(f"device={device!r} is not a device; use auto, cpu, cuda or cuda:N.") from None
+
+
+def _validate_model(model: DictConfig) -> None:
+    if not model._target_.startswith("framework.model."):
+        return  # a user's model checks its own arguments
+    for key in MODEL_SIZES:
+        values = model.get(key)
+        values = list(values) if isinstance(values, (list, ListConfig)) else [values]
+        _require(all(value is None or value >= 1 for value in values),
+                 f"model.{key}={model.get(key)} is invalid; layer sizes and counts must be at least 1.")
+    dropout = model.get("dropout", 0.0)
+    _require(0 <= dropout < 1, f"model.dropout={dropout} is invalid; it must be at least 0 and below 1.")
+
+
 def _validate_search(search: DictConfig) -> None:
     _require(search.num_threads >= 0, f"search.num_threads={search.num_threads} is invalid; use 0 (torch's default) or a positive count.")
     _require(search.trial < 0 or bool(search.study_name and search.storage),
@@ -260,6 +290,9 @@ def _validate_search(search: DictConfig) -> None:
 def _validate_data(data: DictConfig) -> None:
     _one_of("data.source", data.source, DATA_SOURCES)
     _one_of("data.loader", data.loader, LOADERS)
+    classes = list(data.classes)
+    _require(not classes or (len(classes) >= 2 and len(set(classes)) == len(classes)),
+             f"data.classes={classes} is invalid; keep at least 2 distinct labels, or [] for all of them.")
     if data.source in ("csv", "tensors"):
         _require(bool(data.path), f"data.path is empty; data.source={data.source} needs the path of your file.")
         _require(Path(data.path).is_file(), f"data.path={data.path!r} does not exist.")
@@ -272,6 +305,7 @@ def _validate_data(data: DictConfig) -> None:
 
 def _validate_trainer(trainer: DictConfig) -> None:
     _one_of("trainer.precision", str(trainer.precision), PRECISIONS)
+    _one_of("trainer.on_nonfinite", trainer.on_nonfinite, NONFINITE_POLICIES)
     _require(trainer.max_epochs >= 1, f"trainer.max_epochs={trainer.max_epochs} is invalid; it must be at least 1.")
     _require(trainer.max_steps == -1 or trainer.max_steps >= 1,
              f"trainer.max_steps={trainer.max_steps} is invalid; use -1 (no limit) or a positive integer.")

@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
-from framework.config import ConfigError
+from framework.errors import ConfigError
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
 
@@ -75,22 +75,55 @@ def make_synthetic(cfg: DictConfig, seed: int) -> Tuple[np.ndarray, np.ndarray]:
     return x.reshape(cfg.num_samples, *cfg.input_shape), y.astype(np.int64)
 
 
+def read_csv_rows(path: str) -> List[Tuple[int, List[str]]]:
+    """The file's rows with the line each ends on, refusing files that are not CSV text."""
+    try:
+        with open(path, newline="", encoding="utf-8") as handle:
+            reader = csv.reader(handle)
+            return [(reader.line_num, row) for row in reader]
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"data.path={path!r} is not a text CSV file: byte {error.start} is not UTF-8 text.") from None
+    except csv.Error as error:
+        raise ConfigError(f"data.path={path!r} is not a readable CSV file ({error}).") from None
+
+
 def load_csv(path: str, label_column: str) -> Tuple[np.ndarray, np.ndarray]:
-    with open(path, newline="") as handle:
-        rows = list(csv.reader(handle))
+    """Feature columns of numbers and one label column; every cell checked, so no NaN is trained on."""
+    rows = read_csv_rows(path)
     if not rows:
         raise ConfigError(f"data.path={path!r} is an empty CSV file.")
-    header, body = rows[0], rows[1:]
+    (_, header), body = rows[0], rows[1:]
     if label_column not in header:
         raise ConfigError(f"data.label_column={label_column!r} is not a column of data.path={path!r}; "
                           f"its columns are: {', '.join(header)}.")
+    if len(header) < 2:
+        raise ConfigError(f"data.path={path!r} has only its label column {label_column!r}; it needs feature columns too.")
     label_at = header.index(label_column)
+    features = np.empty((len(body), len(header) - 1), dtype=np.float32)
+    for index, (line, row) in enumerate(body):
+        if len(row) != len(header):
+            raise ConfigError(f"data.path={path!r} is ragged: line {line} has {len(row)} values but the header has "
+                              f"{len(header)} columns.")
+        cells = [(name, value) for name, value in zip(header, row) if name != label_column]
+        features[index] = [feature_value(path, line, name, value) for name, value in cells]
+        if not row[label_at].strip():
+            raise ConfigError(f"data.path={path!r} line {line}, column {label_column!r}: the label is empty; fill or "
+                              "drop that row.")
+    _, y = np.unique([row[label_at] for _, row in body], return_inverse=True)
+    return features, y.astype(np.int64)
+
+
+def feature_value(path: str, line: int, column: str, text: str) -> float:
+    where = f"data.path={path!r} line {line}, column {column!r}"
+    if not text.strip():
+        raise ConfigError(f"{where} is empty; fill or drop that row (runlab does not train on missing values).")
     try:
-        x = np.array([[float(v) for i, v in enumerate(row) if i != label_at] for row in body], dtype=np.float32)
-    except ValueError as error:
-        raise ConfigError(f"data.path={path!r} has a non-numeric feature value ({error}); features must be numbers.") from None
-    _, y = np.unique([row[label_at] for row in body], return_inverse=True)
-    return x, y.astype(np.int64)
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{where} holds {text!r}, which is not a number; features must be numbers.") from None
+    if not np.isfinite(value):
+        raise ConfigError(f"{where} holds {text!r}; fill or drop that row (runlab does not train on NaN or inf).")
+    return value
 
 
 def load_tensor_file(path: str, features_key: str, labels_key: str) -> Tuple[np.ndarray, np.ndarray]:
@@ -147,6 +180,10 @@ def standardize(train: np.ndarray, *others: np.ndarray) -> List[np.ndarray]:
 
 def build_data(cfg: DictConfig, seed: int) -> DataBundle:
     x, y = _read_source(cfg, seed)
+    if not np.isfinite(x).all():  # a file of tensors (CSV cells are checked as they are read)
+        sample, *position = np.argwhere(~np.isfinite(x))[0]
+        raise ConfigError(f"data.path={cfg.path!r} sample {sample}, feature {tuple(position)} is {x[(sample, *position)]}; "
+                          "clean the data first (runlab does not train on NaN or inf).")
     if cfg.classes:
         x, y = keep_classes(x, y, list(cfg.classes))
     if len(y) < 3:

@@ -2,22 +2,19 @@
 from __future__ import annotations
 
 import logging
-import os
-import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from omegaconf import DictConfig
 
-from framework.checkpoint import CheckpointError
-from framework.config import ConfigError, validate
-from framework.troubleshoot import DoesNotFitError
+from framework.config import validate
+from framework.errors import Interrupted, RunlabError, exit_with
+from framework.paths import create_run_dir
 
 log = logging.getLogger("framework")
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-USER_ERRORS = (ConfigError, CheckpointError, DoesNotFitError)
 
 
 def execute(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:
@@ -40,13 +37,12 @@ def main(cfg: DictConfig) -> Optional[float]:
     try:
         metrics = execute(cfg, run_dir)
         return metric_value(metrics, cfg.optimized_metric) if cfg.task == "train" else None
-    except USER_ERRORS as error:
-        # In a sweep the error goes to the sweeper, which records this trial as failed and goes on.
-        if os.environ.get("HYDRA_FULL_ERROR") == "1" or hydra_cfg.mode == RunMode.MULTIRUN:
+    except RunlabError as error:
+        # In a sweep the error goes to the sweeper, which records this trial as failed and goes
+        # on; but Ctrl-C or SIGTERM is meant for the whole sweep.
+        if hydra_cfg.mode == RunMode.MULTIRUN and not isinstance(error, Interrupted):
             raise
-        log.error("%s", error)
-        print(f"runlab: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_with(error)
 
 
 def compose(overrides: List[str]) -> DictConfig:
@@ -69,8 +65,8 @@ def run(overrides: Optional[List[str]] = None, run_dir: Optional[str] = None) ->
 
     cfg = compose(list(overrides or []))
     HydraConfig.instance().set_config(cfg)  # so ${hydra:...} interpolations resolve
-    if run_dir is None:
-        run_dir = str(Path(cfg.paths.output_dir) / cfg.name / datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
+    if run_dir is None:  # a fresh dir, named as the command line names it
+        run_dir = create_run_dir(f"{cfg.paths.output_dir}/{cfg.name}/{datetime.now():%Y-%m-%d_%H-%M-%S}")
     with open_dict(cfg):
         del cfg["hydra"]
     OmegaConf.resolve(cfg)

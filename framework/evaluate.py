@@ -16,7 +16,7 @@ from typing import Any, Dict, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from framework.checkpoint import load_checkpoint, model_from_state, resolve_checkpoint_path
-from framework.config import ConfigError
+from framework.errors import ConfigError
 from framework.data import build_data, eval_batches
 from framework.finetune import command_line_overrides
 from framework.parallel import Environment, resolve_device
@@ -41,7 +41,7 @@ def checkpoint_config(cfg: DictConfig, state: Dict[str, Any], groups: Sequence[s
 
 def evaluate_checkpoint(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:
     path = resolve_checkpoint_path(cfg.ckpt)
-    state = load_checkpoint(path)
+    state = load_checkpoint(path, require=("model", "model_spec", "config", "epoch", "step"))
     saved = checkpoint_config(cfg, state, OVERRIDABLE)
     # One process, whatever the training run used: scoring needs no gradients to share.
     env = Environment(device=resolve_device(saved.device))

@@ -22,9 +22,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from framework.checkpoint import (CheckpointError, checked_spec, load_checkpoint, model_from_state,
-                                  resolve_checkpoint_path)
+from framework.checkpoint import checked_spec, load_checkpoint, model_from_state, resolve_checkpoint_path
 from framework.data import build_data
+from framework.errors import CheckpointError
 from framework.evaluate import checkpoint_config
 from framework.finetune import read_pretrained
 from framework.model import build_model

@@ -25,9 +25,8 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from framework.checkpoint import (FORMAT, CheckpointError, checked_spec, read_weights_only,
-                                  resolve_checkpoint_path)
-from framework.config import ConfigError
+from framework.checkpoint import FORMAT, checked_spec, read_weights_only, resolve_checkpoint_path
+from framework.errors import CheckpointError, ConfigError
 from framework.model import accepted_keys, model_spec
 
 log = logging.getLogger(__name__)

@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
+
+# A scheduler's state that says where it is, not which schedule it follows.
+POSITION = ("last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial", "base_lrs")
 
 
 class Scheduler:
@@ -24,12 +28,28 @@ class Scheduler:
         if self.interval == "epoch":
             self.scheduler.step()
 
+    def fast_forward(self, epochs: int, steps: int) -> None:
+        """Put a freshly built schedule where a run of this budget would be after ``epochs``/``steps``:
+        how a resumed run with a new budget, schedule or lr continues on the schedule it now has."""
+        with warnings.catch_warnings():  # stepping without optimizer steps is the point here
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range({"epoch": epochs, "step": steps}.get(self.interval, 0)):
+                self.scheduler.step()
+
     def state_dict(self) -> dict:
         return self.scheduler.state_dict() if self.scheduler else {}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.scheduler:
+        if self.scheduler and state:
             self.scheduler.load_state_dict(state)
+
+
+def same_schedule(configured: dict, saved: dict) -> bool:
+    """Whether two scheduler states follow the same schedule, wherever each one is on it."""
+    def schedule(state: dict) -> dict:
+        return {key: value for key, value in state.items() if key not in POSITION}
+
+    return configured.keys() == saved.keys() and schedule(configured) == schedule(saved)
 
 
 def build_scheduler(cfg: Optional[DictConfig], optimizer: torch.optim.Optimizer) -> Scheduler:

@@ -10,6 +10,8 @@ from omegaconf import DictConfig
 from framework import parallel
 from framework.evaluate import evaluate_checkpoint
 from framework.export import export
+from framework.paths import RunLock
+from framework.signals import StopRequest
 from framework.trainer import Trainer
 from framework.troubleshoot.doctor import doctor
 
@@ -19,16 +21,20 @@ Metrics = Dict[str, float]
 
 
 def train(cfg: DictConfig, run_dir: Path) -> Metrics:
-    return parallel.launch(fit, cfg, run_dir)
+    # The lock says "live" to resume=auto for as long as this process (the one the user started) runs.
+    with RunLock(run_dir):
+        return parallel.launch(fit, cfg, run_dir)
 
 
 def fit(cfg: DictConfig, run_dir: Path, env: parallel.Environment) -> Metrics:
     """One process's share of a training run (every process of a ddp run calls it)."""
-    trainer = Trainer(cfg, run_dir, env)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+    stop = StopRequest()
+    with stop.installed():
+        trainer = Trainer(cfg, run_dir, env, stop)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
 
 
 TASKS: Dict[str, Callable[[DictConfig, Path], Metrics]] = {"train": train, "eval": evaluate_checkpoint, "export": export,

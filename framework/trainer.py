@@ -17,19 +17,21 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from framework.checkpoint import (Checkpointer, EarlyStopping, find_latest_checkpoint, load_checkpoint, rng_state,
-                                  set_rng_state)
-from framework.config import ConfigError
+from framework.checkpoint import Checkpointer, EarlyStopping, TRAINING_STATE, load_checkpoint, rng_state, set_rng_state
 from framework.data import build_data, eval_batches, train_batches
+from framework.errors import ConfigError, Interrupted, signal_name
 from framework.finetune import Finetuner
 from framework.logger import build_logger
 from framework.model import build_model, count_parameters
-from framework.optimizer import build_optimizer
+from framework.nonfinite import NonFiniteGuard
+from framework.optimizer import build_optimizer, configured_groups, keep_configured, restart_lr
 from framework.parallel import Environment, unwrap
 from framework.progress import ProgressBar
-from framework.scheduler import build_scheduler
-from framework.troubleshoot import MemoryTracker, OOMRecovery
+from framework.resume import changed_settings, check_same_model, checkpoint_to_resume
+from framework.scheduler import build_scheduler, same_schedule
 from framework.search.trial import sweep_trial
+from framework.signals import StopRequest
+from framework.troubleshoot import MemoryTracker, OOMRecovery
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,6 @@ class Precision:
 
 
 @torch.inference_mode()
-@torch.inference_mode()
 def eval_totals(model: torch.nn.Module, batches, env: Environment, precision: Precision) -> torch.Tensor:
     """This process's loss sum, correct count, sample count and an out-of-memory flag (0 here) over a split."""
     model.eval()
@@ -91,8 +92,9 @@ def evaluate(model: torch.nn.Module, batches, env: Environment, precision: Preci
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, run_dir: Path, env: Environment):
+    def __init__(self, cfg: DictConfig, run_dir: Path, env: Environment, stop: Optional[StopRequest] = None):
         self.cfg, self.run_dir, self.env = cfg, Path(run_dir), env
+        self.stop = stop or StopRequest()
         seed_everything(cfg.seed, cfg.trainer.deterministic)
         self.data = build_data(cfg.data, cfg.seed)
         self.finetuner = Finetuner(cfg)
@@ -110,13 +112,15 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.monitor, cfg.checkpoint.mode,
                                          cfg.checkpoint.enabled, env.is_main)
         self.early_stopping = EarlyStopping(**cfg.early_stopping)
+        self.nonfinite = NonFiniteGuard(cfg.trainer.on_nonfinite, str(cfg.trainer.precision), self.finite_state_kept)
         self.logger = build_logger(cfg.logger, self.run_dir, env.is_main, OmegaConf.to_container(cfg, resolve=True))
         self.oom = OOMRecovery(cfg.troubleshoot, env, self.model, self.optimizer, self.spec, self.data.input_shape)
         self.memory = MemoryTracker(env.device, cfg.troubleshoot.memory_growth_epochs)
         self.trial = sweep_trial(cfg, self.run_dir, env.is_main)
         self.epoch, self.step, self.batch_in_epoch = 0, 0, 0
+        self.metrics: Dict[str, float] = {}  # the last epoch's
         self.stop_reason = ""
-        self._maybe_resume()
+        self.resume()
 
     # --- set-up helpers ----------------------------------------------------------------
 
@@ -128,17 +132,40 @@ class Trainer:
                               f"of {per_rank}; pick a divisor of it.")
         return per_rank // accumulate
 
-    def _maybe_resume(self) -> None:
-        source = self.cfg.resume
-        if source == "auto":
-            found = find_latest_checkpoint(Path(self.cfg.paths.output_dir) / self.cfg.name, exclude=self.run_dir)
-            if found is None:
-                log.info("resume=auto: no earlier checkpoint of %r found; starting fresh.", self.cfg.name)
-                return
-            source = str(found)
-        if source:
-            self.load_state(load_checkpoint(source))
-            log.info("Resumed from %s at epoch %d, step %d.", source, self.epoch, self.step)
+    def resume(self) -> None:
+        """Continue the run ``resume`` names (framework/resume.py): its state, this config's settings."""
+        source = checkpoint_to_resume(self.cfg, self.run_dir)
+        if source is None:
+            return
+        state = load_checkpoint(source, require=TRAINING_STATE)
+        check_same_model(state["model_spec"], self.spec, source)
+        changes = changed_settings(state["config"], self.cfg)
+        groups, schedule = configured_groups(self.optimizer), self.scheduler.state_dict()
+        self.load_state(state)
+        # The checkpoint restored its optimizer hyperparameters and schedule; this config's apply instead.
+        # A new lr, budget (T_max) or schedule continues on the schedule this config builds.
+        if keep_configured(self.optimizer, groups) or not same_schedule(schedule, state["scheduler"]):
+            restart_lr(self.optimizer, groups)
+            self.scheduler = build_scheduler(self.cfg.scheduler, self.optimizer)
+            self.scheduler.fast_forward(self.epoch, self.step)
+        self.checkpointer.adopt_best(source.with_name("best.pt"))
+        log.info("Resumed from %s at epoch %d, step %d.", source, self.epoch, self.step)
+        if changes:
+            log.info("Resumed with this command line's settings: %s.", "; ".join(changes))
+        complete = self.complete_because()
+        if complete:
+            self.stop_reason = f"the run in {shown(source.parent.parent)} is complete ({complete}); nothing left to train"
+
+    def complete_because(self) -> str:
+        """Why a restored run has nothing left to train, or ""."""
+        if self.epoch >= self.cfg.trainer.max_epochs:
+            return f"it reached trainer.max_epochs={self.cfg.trainer.max_epochs}"
+        if self.step >= self.max_steps:
+            return f"it reached trainer.max_steps={self.cfg.trainer.max_steps}"
+        if self.early_stopping.exhausted():
+            return f"early stopping ended it: {self.early_stopping.tracker.monitor} did not improve for " \
+                   f"{self.early_stopping.patience} epochs"
+        return ""
 
     @property
     def max_steps(self) -> int:
@@ -161,19 +188,24 @@ class Trainer:
             "micro_batch": self.micro_batch,
             "checkpointer": self.checkpointer.state_dict(),
             "early_stopping": self.early_stopping.state_dict(),
+            "metrics": self.metrics,
             "rng": rng_state(),
             "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
 
     def load_state(self, state: Dict[str, Any]) -> None:
+        """Restore exactly what ``state()`` saved."""
         unwrap(self.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.precision.scaler.load_state_dict(state["scaler"])
+        if state["scaler"] and self.precision.scaler.is_enabled():  # empty when saved at 32-bit or bf16
+            self.precision.scaler.load_state_dict(state["scaler"])
         self.epoch, self.step, self.batch_in_epoch = state["epoch"], state["step"], state["batch_in_epoch"]
-        self.micro_batch = state["micro_batch"]
+        # An out-of-memory back-off stays; a larger accumulation on this command line applies too.
+        self.micro_batch = min(state["micro_batch"], self._initial_micro_batch())
         self.checkpointer.load_state_dict(state["checkpointer"])
         self.early_stopping.load_state_dict(state["early_stopping"])
+        self.metrics = dict(state.get("metrics", {}))
         set_rng_state(state["rng"])
 
     # --- the loop ----------------------------------------------------------------------
@@ -184,16 +216,16 @@ class Trainer:
                  self.spec["_target_"], f"{trainable:,}", f"{frozen:,}", len(self.data.train), len(self.data.val))
         self.logger.log_graph(unwrap(self.model), self.data.val.x[:2].to(self.env.device))
         progress = ProgressBar(self.max_steps, self.cfg.trainer.progress_bar and self.env.is_main, initial=self.step)
-        metrics: Dict[str, float] = {}
         started, steps_at_start = time.perf_counter(), self.step
         try:
-            while self.epoch < self.cfg.trainer.max_epochs and not self.stop_reason:
-                train_loss = self.train_epoch(progress)
-                metrics = self.end_epoch(train_loss, progress)
+            # A signal now only asks the loop to stop; it stops after the step it is in (interrupt()).
+            with self.stop.deferred():
+                while self.epoch < self.cfg.trainer.max_epochs and not self.stop_reason:
+                    self.end_epoch(self.train_epoch(progress), progress)
         finally:
             progress.close()
         train_seconds = time.perf_counter() - started
-        return self.finish(metrics, train_seconds, self.step - steps_at_start)
+        return self.finish(train_seconds, self.step - steps_at_start)
 
     def train_epoch(self, progress: ProgressBar) -> float:
         """One pass over the training batches; returns the mean training loss."""
@@ -210,30 +242,62 @@ class Trainer:
                 continue
             if not self.train_batches.on_device:
                 x, y = x.to(self.env.device, non_blocking=True), y.to(self.env.output_device, non_blocking=True)
-            loss_sum += self.train_step(x, y)
-            self.step, self.batch_in_epoch, steps = self.step + 1, index + 1, steps + 1
+            loss = self.train_step(x, y)
+            if loss is not None:  # None: a non-finite step skipped (trainer.on_nonfinite=skip)
+                loss_sum, steps = loss_sum + loss, steps + 1
+            self.step, self.batch_in_epoch = self.step + 1, index + 1
             progress.advance()
-            if self.step % log_every == 0:
+            at_log_step = self.step % log_every == 0
+            if at_log_step:
                 window_time = self.log_train_window(loss_sum, steps, window_start, window_time, progress)
                 window_start = steps
+            # Under ddp the ranks agree at logging steps, where they all ask; one process stops at once.
+            if self.env.agree_to_stop(self.stop.requested, all_ranks_ask=at_log_step):
+                self.interrupt()
             if self.step >= self.max_steps:
-                self.stop_reason = f"reached max_steps={self.max_steps}"
+                if self.epoch + 1 < self.cfg.trainer.max_epochs or self.batch_in_epoch < len(self.train_batches):
+                    self.stop_reason = f"reached trainer.max_steps={self.max_steps}"
                 break
+        if self.env.agree_to_stop(self.stop.requested, all_ranks_ask=True):
+            self.interrupt()
         return self.env.all_reduce_mean(loss_sum).item() / max(steps, 1)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One optimizer step over a batch, in micro-batches; returns the batch's mean loss (detached)."""
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
+        """One optimizer step over a batch, in micro-batches; returns the batch's mean loss (detached),
+        or None when the step was not finite and skipped."""
         # Out of memory: halve the micro-batch and retry this same step (troubleshoot/oom.py).
         while (batch_loss := self.oom.attempt(self.accumulate_gradients, x, y)) is None:
             self.micro_batch = self.oom.back_off(self.micro_batch, len(y), self.step, self.logger)
-        clip = self.cfg.trainer.gradient_clip_val
-        if clip:
-            self.precision.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        self.precision.scaler.step(self.optimizer)
+        grad_norm = self.unscaled_grad_norm()
+        applied = self.nonfinite.step_is_finite(batch_loss, grad_norm, self.position(self.step + 1), self.current_lr)
+        if applied:
+            self.precision.scaler.step(self.optimizer)
         self.precision.scaler.update()
         self.scheduler.after_step()
-        return batch_loss
+        return batch_loss if applied else None
+
+    def unscaled_grad_norm(self) -> torch.Tensor:
+        """The gradients' total norm (clipped to trainer.gradient_clip_val when set), as a tensor: no host sync."""
+        self.precision.scaler.unscale_(self.optimizer)
+        parameters = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.cfg.trainer.gradient_clip_val
+        if clip:
+            return torch.nn.utils.clip_grad_norm_(parameters, clip)
+        return torch.nn.utils.get_total_norm([p.grad for p in parameters])
+
+    @property
+    def current_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def position(self, step: int) -> str:
+        return f"step {step} (epoch {self.epoch + 1})"
+
+    def finite_state_kept(self) -> str:
+        """Where the last finite state is, for a run that stops on a non-finite value."""
+        if not self.checkpointer.last.is_file():
+            return "No checkpoint was written before it."
+        return (f"{shown(self.checkpointer.last)} keeps the last finite state (epoch {self.epoch}); resume=auto with "
+                "a lower lr continues from it.")
 
     def accumulate_gradients(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward over the batch in micro-batches; returns the batch's mean loss (detached)."""
@@ -256,11 +320,21 @@ class Trainer:
                          progress: ProgressBar) -> float:
         now = time.perf_counter()
         samples = (steps - window_start) * self.cfg.batch_size
-        values = {"train/loss_running": self.env.all_reduce_mean(loss_sum).item() / steps, "train/samples_per_second": samples / (now - window_time),
-                  "lr": self.optimizer.param_groups[0]["lr"]}
+        values = {"train/loss_running": self.env.all_reduce_mean(loss_sum).item() / max(steps, 1),
+                  "train/samples_per_second": samples / (now - window_time), "lr": self.current_lr}
         self.logger.log_metrics(values, self.step)
         progress.show({"loss": values["train/loss_running"], "samples/s": values["train/samples_per_second"]})
         return now
+
+    def interrupt(self) -> None:
+        """Stop on the signal received: save this exact point to last.pt, then end the run."""
+        self.checkpointer.save_last(self.state)
+        self.env.barrier()  # no rank leaves before rank 0 has written: a launcher ends the others on the first exit
+        where = f"{signal_name(self.stop.signum)} at {self.position(self.step)}"
+        if not self.checkpointer.enabled:
+            raise Interrupted(self.stop.signum, f"{where}; checkpoints are off (checkpoint.enabled=false), so nothing "
+                                                "was saved to resume from.")
+        raise Interrupted(self.stop.signum, f"{where}; saved {shown(self.checkpointer.last)}. Continue with resume=auto.")
 
     def close(self) -> None:
         """Finish the checkpoint write in flight and close the logger; on success and on a crash alike."""
@@ -284,9 +358,11 @@ class Trainer:
             self.eval_batch_size = batches.plan.batch_size = self.oom.back_off_eval(self.eval_batch_size, self.step,
                                                                                     self.logger)
 
-    def end_epoch(self, train_loss: float, progress: ProgressBar) -> Dict[str, float]:
+    def end_epoch(self, train_loss: float, progress: ProgressBar) -> None:
         val = self.evaluate(self.val_batches)
         metrics = {"train/loss": train_loss, "val/loss": val["loss"], "val/acc": val["acc"]}
+        # Broken weights must not reach a checkpoint: the last finite state stays on disk.
+        self.nonfinite.check_validation(metrics, self.position(self.step), self.current_lr)
         # A run stopped by max_steps mid-epoch keeps its place in the epoch, so a resume
         # continues with the next batch instead of replaying the epoch.
         if self.batch_in_epoch >= len(self.train_batches):
@@ -302,27 +378,41 @@ class Trainer:
         pruned = self.trial.report(metrics, self.epoch)
         if pruned and not self.stop_reason:
             self.stop_reason = pruned
+        self.metrics = metrics
         self.checkpointer.maybe_save(self.state, metrics)
         progress.show({"val_acc": val["acc"], "val_loss": val["loss"]})
         log.info("epoch %d  step %d  train/loss %.4f  val/loss %.4f  val/acc %.4f",
                  self.epoch, self.step, train_loss, val["loss"], val["acc"])
-        return metrics
 
-    def finish(self, metrics: Dict[str, float], train_seconds: float, steps_run: int) -> Dict[str, float]:
-        """Test the best weights, write metrics.json and the run's hparams."""
+    def finish(self, train_seconds: float, steps_run: int) -> Dict[str, float]:
+        """Test the best weights, write metrics.json and the run's hparams, and say where everything is."""
         if self.stop_reason:
             log.info("Stopped: %s.", self.stop_reason)
         monitor = self.checkpointer.tracker.monitor
-        final = {**metrics, "step": self.step, f"best/{monitor}": self.checkpointer.tracker.best,
+        final = {**self.metrics, "step": self.step, f"best/{monitor}": self.checkpointer.tracker.best,
                  "train_seconds": train_seconds,
                  "samples_per_second": steps_run * self.cfg.batch_size / train_seconds if train_seconds else 0.0}
         final.update(self.test_best())
-        final.update(self.oom.summary(self.micro_batch, self.eval_batch_size), **self.memory.summary())
+        final.update(self.oom.summary(self.micro_batch, self.eval_batch_size), **self.memory.summary(),
+                     **self.nonfinite.summary())
         self.log_sample_predictions()
         self.logger.log_hparams(self.hparams(), {k: v for k, v in final.items() if "/" in k})
         if self.env.is_main:
             (self.run_dir / "metrics.json").write_text(json.dumps(final, indent=2, allow_nan=True) + "\n")
+            self.log_where_things_are(final)
         return final
+
+    def log_where_things_are(self, final: Dict[str, float]) -> None:
+        """The run's last lines: where it wrote, how it did, and how to look at it."""
+        monitor = self.checkpointer.tracker.monitor
+        tests = "  ".join(f"{name} {final[name]:.4f}" for name in ("test/acc", "test/loss") if name in final)
+        best = final[f"best/{monitor}"]
+        log.info("Run dir: %s", shown(self.run_dir))
+        log.info("Best %s: %s%s", monitor, "none" if best is None else f"{best:.4f}", f"   {tests}" if tests else "")
+        written = [shown(path) for path in (self.checkpointer.best, self.checkpointer.last) if path.is_file()]
+        log.info("Checkpoints: %s", ", ".join(written) if written else "none (checkpoint.enabled=false)")
+        if (self.run_dir / "tensorboard").is_dir():
+            log.info("TensorBoard: tensorboard --logdir %s", shown(self.run_dir / "tensorboard"))
 
     def test_best(self) -> Dict[str, float]:
         if not self.cfg.trainer.test_after_fit or not len(self.data.test):
@@ -331,7 +421,7 @@ class Trainer:
         self.env.barrier()  # every process reads best.pt only once rank 0 has finished writing it
         if self.checkpointer.best.is_file():
             # The checkpoint of the best epoch, not the last weights, is what a user would ship.
-            unwrap(self.model).load_state_dict(load_checkpoint(self.checkpointer.best)["model"])
+            unwrap(self.model).load_state_dict(load_checkpoint(self.checkpointer.best, require=("model",))["model"])
         test = self.evaluate(eval_batches(self.data.test, self.cfg.data, self.env.device, self.env.rank, self.env.world_size,
                                           batch_size=self.eval_batch_size, target_device=self.env.output_device))
         return {"test/loss": test["loss"], "test/acc": test["acc"]}
@@ -351,6 +441,14 @@ class Trainer:
             if isinstance(value, (int, float, str, bool)) and not key.startswith("_"):
                 flat[f"model.{key}"] = value
         return {**flat, **self.trial.hparams()}
+
+
+def shown(path: Path) -> str:
+    """``path`` relative to the working directory when it is inside it, as a user would type it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def metric_value(metrics: Dict[str, float], name: str) -> float:

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from framework.checkpoint import (Checkpointer, CheckpointError, EarlyStopping, MetricTracker, load_checkpoint, load_model,
+from framework.errors import CheckpointError
+from framework.checkpoint import (Checkpointer, EarlyStopping, MetricTracker, load_checkpoint, load_model,
                                   rng_state, save_checkpoint, set_rng_state)
 
 

@@ -4,8 +4,8 @@ import torch
 import yaml
 
 from conftest import write_csv_without_label
-from framework.checkpoint import CheckpointError
-from framework.config import ConfigError
+from framework.errors import CheckpointError
+from framework.errors import ConfigError
 
 QUICK = ["trainer.max_steps=2", "trainer.progress_bar=false", "logger=none", "model.width=16"]
 

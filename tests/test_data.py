@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import composed
-from framework.config import ConfigError
+from framework.errors import ConfigError
 from framework.data import (BatchPlan, build_data, keep_classes, load_digits_arrays, split_indices, standardize)
 
 

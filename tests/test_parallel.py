@@ -21,7 +21,7 @@ from torch import nn
 
 from conftest import REPO, SHRINK, read_metrics
 from framework.checkpoint import load_checkpoint
-from framework.config import ConfigError
+from framework.errors import ConfigError
 from framework.entry import run
 from framework.model import MLP
 from framework.parallel.pipeline import Pipeline, balanced_boundaries, check_boundaries, stage_boundaries

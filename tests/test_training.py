@@ -5,7 +5,7 @@ import torch
 
 from conftest import REPO, read_metrics
 from framework.checkpoint import Checkpointer, load_checkpoint
-from framework.config import ConfigError
+from framework.errors import ConfigError
 from framework.entry import run
 
 # digits_finetune starts from a digits_pretrain run; test_transfer.py runs the pair.

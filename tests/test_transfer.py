@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SHRINK, read_metrics
-from framework.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
-from framework.config import ConfigError
+from framework.errors import CheckpointError
+from framework.checkpoint import load_checkpoint, load_model, save_checkpoint
+from framework.errors import ConfigError
 from framework.entry import run
 from framework.export import load_artifact
 
@@ -197,7 +198,7 @@ def test_files_that_would_run_code_are_refused_and_never_executed(train, cli, tm
 
 
 def test_unfreezing_later_under_ddp_is_refused_before_any_work(train):
-    from framework.config import ConfigError
+    from framework.errors import ConfigError
 
     with pytest.raises(ConfigError, match="finetune.unfreeze_at_epoch=1 is not supported with parallel=ddp"):
         train("parallel=ddp", "finetune.freeze=[block0.*]", "finetune.unfreeze_at_epoch=1")

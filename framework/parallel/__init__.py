@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from framework.config import ConfigError
+from framework.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,11 @@ class Environment:
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.all_reduce_sum(tensor) / self.world_size
+
+    def agree_to_stop(self, requested: bool, all_ranks_ask: bool) -> bool:
+        """Whether to stop here because a stop was requested (a signal). One process stops at once;
+        several agree only where all of them ask (``all_ranks_ask``), so that all stop at the same step."""
+        return requested
 
     def barrier(self) -> None:
         """Wait until every process got here (e.g. rank 0 finished writing a checkpoint)."""

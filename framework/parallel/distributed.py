@@ -11,17 +11,20 @@ shows progress and writes files; the others log warnings only, prefixed with the
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, List
 
 import torch
 import torch.distributed as dist
@@ -31,14 +34,14 @@ from torch import nn
 from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 
-from framework.checkpoint import CheckpointError
-from framework.config import ConfigError
+from framework.errors import ConfigError, Interrupted, RunlabError
 from framework.parallel import Environment, Task, resolve_device
+from framework.paths import LOCK_FILE
+from framework.signals import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-USER_ERRORS = (ConfigError, CheckpointError)
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 
@@ -63,6 +66,11 @@ class DistributedEnvironment(Environment):
         total = tensor.clone()
         dist.all_reduce(total)
         return total
+
+    def agree_to_stop(self, requested: bool, all_ranks_ask: bool) -> bool:
+        if not all_ranks_ask:  # a collective here would hang: the other ranks are not in it
+            return False
+        return bool(self.all_reduce_sum(torch.tensor([float(requested)], device=self.device)).item())
 
     def barrier(self) -> None:
         dist.barrier(device_ids=[self.device.index]) if self.device.type == "cuda" else dist.barrier()
@@ -162,7 +170,7 @@ def adopt_main_run_dir(env: DistributedEnvironment, own: Path) -> Path:
     main = Path(shared[0])
     if env.rank:
         log_as_rank(env.rank, main / "train.log")
-        if main != own and own.is_dir() and {p.name for p in own.iterdir()} <= {".hydra", "train.log"}:
+        if main != own and own.is_dir() and {p.name for p in own.iterdir()} <= {".hydra", "train.log", LOCK_FILE}:
             shutil.rmtree(own)
     return main
 
@@ -181,12 +189,40 @@ def spawn_workers(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
     context = mp.get_context("spawn")
     reports = context.SimpleQueue()
     log.info("parallel=ddp: starting %d processes on 127.0.0.1:%d.", world_size, port)
+    workers = mp.start_processes(_worker, args=(world_size, port, config, str(run_dir), task, reports),
+                                 nprocs=world_size, join=False, start_method="spawn")
     try:
-        mp.start_processes(_worker, args=(world_size, port, config, str(run_dir), task, reports), nprocs=world_size,
-                           join=True, start_method="spawn")
+        with signals_forwarded(workers.pids()):
+            while not workers.join():
+                pass
     except ProcessException as failure:
         raise worker_failure(reports, failure) from None
-    return next(value for kind, _, value in drain(reports) if kind == "result")
+    reported = drain(reports)
+    for kind, _, value in reported:
+        if kind == "error":  # the workers stopped on a signal and exited cleanly (Interrupted)
+            raise value[0]
+    return next(value for kind, _, value in reported if kind == "result")
+
+
+@contextlib.contextmanager
+def signals_forwarded(pids: List[int]) -> Iterator[None]:
+    """SIGINT and SIGTERM sent to the launcher go on to every worker, which stop together at a step,
+    save last.pt and exit; the launcher then ends with their Interrupted. (A launcher killed outright
+    still takes its workers down: torch sets their parent-death signal to SIGINT.)"""
+    def forward(signum: int, frame) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def drain(reports) -> list:
@@ -208,6 +244,8 @@ def worker_failure(reports, failure: ProcessException) -> Exception:
 
 
 def _worker(rank: int, world_size: int, port: int, config: dict, run_dir: str, task: Task, reports) -> None:
+    # Out of the terminal's process group: Ctrl-C reaches the launcher alone, which forwards it once.
+    os.setpgrp()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     run_path = Path(run_dir)
@@ -222,8 +260,13 @@ def _worker(rank: int, world_size: int, port: int, config: dict, run_dir: str, t
             result = task(cfg, run_path, env)
         finally:
             env.cleanup()
+    except Interrupted as error:
+        # All ranks stopped at the same step and saved: a clean exit, so the launcher does not
+        # terminate the others mid-exit, and the stop is reported like an error.
+        reports.put(("error", rank, (error, "")))
+        return
     except Exception as error:
-        reports.put(("error", rank, (error if isinstance(error, USER_ERRORS) else None, traceback.format_exc())))
+        reports.put(("error", rank, (error if isinstance(error, RunlabError) else None, traceback.format_exc())))
         raise
     if rank == 0:
         reports.put(("result", rank, result))

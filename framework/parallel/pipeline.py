@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from framework.config import ConfigError
+from framework.errors import ConfigError
 from framework.parallel import Environment, resolve_device
 
 log = logging.getLogger(__name__)

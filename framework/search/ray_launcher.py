@@ -18,6 +18,7 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides, setup_globa
 from hydra_plugins.hydra_ray_launcher.ray_launcher import RayLauncher
 from omegaconf import OmegaConf, open_dict
 
+from framework.errors import SweepError, exit_with
 from framework.search.slots import TrialSlots
 
 log = logging.getLogger(__name__)
@@ -26,8 +27,8 @@ log = logging.getLogger(__name__)
 LOCAL_OBJECT_STORE_BYTES = 78643200
 
 
-class RayStartError(RuntimeError):
-    pass
+class RayStartError(SweepError):
+    """Ray could not start or join its cluster: no trial can run."""
 
 
 def check_reachable(address: str) -> None:
@@ -68,7 +69,10 @@ def start_ray(init: dict) -> None:
 class ClearRayLauncher(RayLauncher, TrialSlots):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         """Hydra's interface (the basic sweeper with launcher=ray_local): all jobs at once."""
-        runs = [self.submit(overrides, idx) for idx, overrides in enumerate(job_overrides, start=initial_job_idx)]
+        try:
+            runs = [self.submit(overrides, idx) for idx, overrides in enumerate(job_overrides, start=initial_job_idx)]
+        except RayStartError as error:  # here no runlab sweeper turns it into its one line
+            exit_with(error)
         return [self.result(run) for run in runs]
 
     def submit(self, overrides: Sequence[str], number: int):

@@ -28,16 +28,13 @@ from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_override
 from omegaconf import DictConfig, OmegaConf
 
 from framework.entry import CONF_DIR
+from framework.errors import SweepError
 from framework.search.slots import BatchSlots, TrialSlots
 from framework.search.study import INTERRUPTED, default_storage, failed_trials, finished_trials, uncached
 
 log = logging.getLogger(__name__)
 
 OOM_MARKERS = ("out of memory", "can't allocate memory")
-
-
-class SweepError(RuntimeError):
-    """The sweep stopped early; the message is the summary for the user."""
 
 
 def describe_error(error: BaseException) -> str:

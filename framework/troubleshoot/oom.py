@@ -22,6 +22,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from framework.errors import ResourceError
 from framework.parallel import Environment, unwrap
 from framework.troubleshoot.environment import gpu_status
 from framework.troubleshoot.memory import activation_mb_per_sample, allocated_mb, model_memory
@@ -36,7 +37,7 @@ class StepOutOfMemory(torch.OutOfMemoryError):
     """Raised on every rank once the ranks agree that at least one of them ran out of memory."""
 
 
-class DoesNotFitError(RuntimeError):
+class DoesNotFitError(ResourceError):
     """Even one sample per micro-batch (or eval batch) does not fit; the message says what to try."""
 
 

@@ -18,4 +18,9 @@ class RunlabSweeper(Sweeper):
         self.sweeper.setup(hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: List[str]) -> None:
-        return self.sweeper.sweep(arguments)
+        from framework.errors import RunlabError, exit_with
+
+        try:
+            return self.sweeper.sweep(arguments)
+        except RunlabError as error:  # Hydra would print it with a traceback
+            exit_with(error)

@@ -1,0 +1,86 @@
+"""What can stop a run that the user can act on, and how the process ends when it does.
+
+Every such error is a ``RunlabError``: its message is one sentence for the user, and its
+class sets the exit code (the README's table). ``exit_with`` is the one place that turns
+one into the end of the process: the sentence goes to stderr once and into the run's log
+file, with no traceback before it (``HYDRA_FULL_ERROR=1`` re-raises it instead).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import NoReturn
+
+log = logging.getLogger("framework")
+
+
+class RunlabError(Exception):
+    """A failure the user can act on; the message says what happened and what to do."""
+
+    exit_code = 2
+    label = "error"
+
+
+class ConfigError(RunlabError, ValueError):
+    """A config value, input file or output location that cannot work."""
+
+
+class CheckpointError(RunlabError, ValueError):
+    """A checkpoint that is missing, corrupt, incomplete or not runlab's."""
+
+
+class DivergedError(RunlabError):
+    """Training produced a non-finite loss, gradient norm or validation metric."""
+
+    exit_code = 3
+
+
+class ResourceError(RunlabError):
+    """The machine ran out of something the run needs: memory at micro-batch 1, or disk space."""
+
+    exit_code = 4
+
+
+class SweepError(RunlabError):
+    """A sweep stopped before its end (too many failed trials, or its launcher could not start)."""
+
+    exit_code = 5
+
+
+class Interrupted(RunlabError):
+    """SIGINT or SIGTERM: the run stopped where the message says, after saving what it could."""
+
+    label = "interrupted"
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+        # The shell's convention for a process ended by a signal: 128 + its number (130, 143).
+        self.exit_code = 128 + signum
+
+    def __reduce__(self):  # ddp workers send it to the launcher through a pickle
+        return type(self), (self.signum, str(self))
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def log_to_files(message: str) -> None:
+    """Write ``message`` to the log files only (train.log): the console gets it from ``exit_with``."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def exit_with(error: RunlabError) -> NoReturn:
+    """End the process on ``error``: one line on stderr (and in train.log), its exit code, no traceback."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise error
+    line = f"runlab: {error.label}: {error}"
+    log_to_files(line)
+    print(line, file=sys.stderr, flush=True)
+    raise SystemExit(error.exit_code) from None

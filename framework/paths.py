@@ -1,0 +1,123 @@
+"""Where runs write (conf/paths/, conf/hydra/): one fresh dir per run, and a lock while it lives.
+
+Two resolvers are registered on import, before Hydra composes anything:
+
+- ``${runlab.cwd:}``: the directory the command was started in. Unlike ``${hydra:runtime.cwd}``
+  it also resolves where Hydra has not set its config yet: a multirun driver resolves
+  ``hydra.sweep.dir`` before any job starts.
+- ``${runlab.new_dir:PATH}``: creates PATH, or ``PATH_1``, ``PATH_2``, ... if it exists, with an
+  exclusive ``mkdir``, so two runs started in the same second never share a dir. It is cached
+  per config, and Hydra copies that cache into every job of a sweep, so a path is created once.
+
+``RunLock`` marks a run dir as live: ``run.lock`` holds the pid and host, under an ``flock``
+that the kernel releases when the process ends, however it ends (``kill -9`` included).
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+from framework.errors import ConfigError, exit_with
+
+LOCK_FILE = "run.lock"
+
+
+def create_run_dir(path: str) -> str:
+    """Create ``path`` exclusively, or the first free ``path_N``; returns the one created."""
+    base = Path(path)
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+        for suffix in range(1000):
+            candidate = base if suffix == 0 else base.with_name(f"{base.name}_{suffix}")
+            try:
+                candidate.mkdir()
+                return str(candidate)
+            except FileExistsError:
+                continue
+    except OSError as error:
+        raise ConfigError(unusable_dir(base, error)) from None
+    raise ConfigError(f"cannot create a run dir at {base}: it and 999 suffixed variants exist.")
+
+
+def new_dir(path: str) -> str:
+    """The ``runlab.new_dir`` resolver: Hydra resolves it in its own set-up, where an exception
+    would end in a traceback, so a failure ends the process with its one line here."""
+    try:
+        return create_run_dir(path)
+    except ConfigError as error:
+        exit_with(error)
+
+
+def unusable_dir(path: Path, error: OSError) -> str:
+    if error.errno == errno.ENAMETOOLONG:
+        return (f"the run dir {path} is too long for the file system ({error.strerror}); "
+                "choose a shorter name (or paths.output_dir).")
+    if error.errno == errno.ENOSPC:
+        return f"no space left on device to create the run dir {path}; free some space or choose another paths.output_dir."
+    return (f"cannot create the run dir {path} ({error.strerror}); "
+            "choose a writable paths.output_dir, or fix the permissions of that folder.")
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("runlab.cwd"):
+        OmegaConf.register_new_resolver("runlab.cwd", os.getcwd, use_cache=True)
+        OmegaConf.register_new_resolver("runlab.new_dir", new_dir, use_cache=True)
+
+
+register_resolvers()
+
+
+class RunLock:
+    """Held by the process training in ``run_dir``, from set-up to the end of the run."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.handle = None
+
+    def __enter__(self) -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.handle = open(self.path, "a+")
+        try:
+            fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.handle.close()
+            raise ConfigError(f"{self.path.parent} is in use by another live run ({lock_owner(self.path)}); "
+                              "start a new run instead, it gets a dir of its own.") from None
+        self.handle.seek(0)
+        self.handle.truncate()
+        self.handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        self.handle.flush()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.path.unlink(missing_ok=True)
+        self.handle.close()  # closing releases the flock
+
+
+def lock_owner(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "pid unknown"
+    except OSError:
+        return "pid unknown"
+
+
+def live_run(run_dir: Path) -> Optional[str]:
+    """Who holds ``run_dir``'s lock ("pid N on HOST"), or None when no live process does."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        handle = open(path)
+    except FileNotFoundError:
+        return None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return lock_owner(path)
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return None

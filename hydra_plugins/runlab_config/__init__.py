@@ -1,0 +1,50 @@
+"""runlab's config files as Hydra reads them: a YAML syntax error becomes one line.
+
+Hydra reads conf/ (and experiments/, through conf/experiment) with its file config source,
+which lets a YAML error escape with a 60-line traceback. ``RunlabSearchPath`` points the
+main config dir at ``RunlabConfigSource`` instead: the same files, read the same way, but a
+syntax error is a ``ConfigFileError`` naming the file, line and column. On the command line
+Hydra prints it as it prints every composition error (one line, exit code 1); from
+``framework.run`` it is raised as the ``ConfigError`` it also is.
+"""
+from typing import Optional
+
+import yaml
+from hydra.core.config_search_path import ConfigSearchPath
+from hydra.errors import ConfigCompositionException
+from hydra.plugins.config_source import ConfigResult
+from hydra.plugins.search_path_plugin import SearchPathPlugin
+from hydra._internal.core_plugins.file_config_source import FileConfigSource
+
+from framework.errors import ConfigError
+
+
+class ConfigFileError(ConfigError, ConfigCompositionException):
+    """A config file that is not valid YAML."""
+
+
+class RunlabConfigSource(FileConfigSource):
+    @staticmethod
+    def scheme() -> str:
+        return "runlab"
+
+    def load_config(self, config_path: str) -> ConfigResult:
+        try:
+            return super().load_config(config_path)
+        except yaml.YAMLError as error:
+            raise ConfigFileError(describe(error)) from None
+
+
+def describe(error: yaml.YAMLError) -> str:
+    mark: Optional[yaml.Mark] = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    if mark is None:
+        return f"a config file is not valid YAML: {problem}."
+    return f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML ({problem})."
+
+
+class RunlabSearchPath(SearchPathPlugin):
+    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
+        for element in search_path.get_path():
+            if element.provider == "main" and ("://" not in element.path or element.path.startswith("file://")):
+                element.path = f"{RunlabConfigSource.scheme()}://{element.path.removeprefix('file://')}"
