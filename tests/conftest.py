@@ -1,12 +1,21 @@
-"""Shared fixtures: compose the real config (conf/ plus experiments/), shrink it, write to tmp_path."""
+"""Shared fixtures, in two layers.
+
+- ``train`` composes the real config (conf/ plus experiments/), shrinks it and runs it in
+  this process, writing to tmp_path: fast, for the arithmetic of training.
+- ``user`` and ``cli`` walk the user's path: a fresh copy of the repository (what a clone
+  holds, with the project's .venv), commands typed as a user types them, in a subprocess,
+  outputs where a user finds them (``outputs/`` of that copy). No path is overridden.
+"""
 from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 # Tiny models gain nothing from intra-op threads, and tests that start several processes
 # (DDP, sweeps) would oversubscribe the cores; set before torch is imported anywhere.
@@ -36,20 +45,87 @@ def train(tmp_path):
     return _train
 
 
-@pytest.fixture
-def cli(tmp_path):
-    """Run ``python run.py ARGS`` in a subprocess with outputs under tmp_path."""
+# --- the user's path ---------------------------------------------------------------------------
 
-    def _cli(*args: str, timeout: float = 240, env: Dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        command = [sys.executable, str(REPO / "run.py"), *args, f"paths.output_dir={tmp_path / 'outputs'}"]
-        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **(env or {})})
+def copy_repository(target: Path) -> Path:
+    """The project as a fresh clone has it (the files git tracks, and new ones it does not
+    ignore), with the environment `make` installed linked in as its .venv."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source, copy = REPO / name, target / name
+        if not (source.exists() or source.is_symlink()):
+            continue  # deleted in the working tree, not yet in a commit
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():
+            copy.symlink_to(os.readlink(source))
+        else:
+            shutil.copy2(source, copy)  # keeps mtimes, so `make` sees its install as up to date
+    (target / ".venv").symlink_to(Path(sys.prefix))
+    return target
+
+
+class UserShell:
+    """A terminal in a fresh copy of the repository, with .venv/bin on PATH (as after activating it)."""
+
+    def __init__(self, repo: Path):
+        self.repo = repo
+        self.outputs = repo / "outputs"
+
+    def env(self, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+        env = {key: value for key, value in os.environ.items() if key not in ("HYDRA_FULL_ERROR", "PYTHONPATH")}
+        env["PATH"] = f"{self.repo / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+        return {**env, **(extra or {})}
+
+    def run(self, command: str, timeout: float = 240, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+        """``command`` typed at the prompt; its exit code and output."""
+        return subprocess.run(["bash", "-c", command], cwd=self.repo, capture_output=True, text=True, timeout=timeout,
+                              env=self.env(env))
+
+    def start(self, command: str, log: Path, env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+        """``command`` started in the background (its own session, so its whole tree can be signalled)."""
+        with open(log, "w") as console:
+            return subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=self.repo, stdout=console,
+                                    stderr=subprocess.STDOUT, env=self.env(env), start_new_session=True)
+
+    def runs(self, name: str = "train") -> List[Path]:
+        """The run dirs of ``name``, oldest first."""
+        return sorted(p for p in (self.outputs / name).glob("*") if p.is_dir() and p.name != "multirun")
+
+
+@pytest.fixture
+def user(tmp_path) -> UserShell:
+    return UserShell(copy_repository(tmp_path / "runlab"))
+
+
+@pytest.fixture
+def cli(user):
+    """``cli(*args)`` runs ``python run.py ARGS`` in the user's copy of the repository."""
+
+    def _cli(*args: str, timeout: float = 240, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+        return user.run(shlex.join(["python", "run.py", *args]), timeout=timeout, env=env)
 
     return _cli
 
 
+def aids_on_path(user: UserShell) -> Dict[str, str]:
+    """Lets a run import the testing aids in tests/ (faulty models), as a user's own module would be."""
+    return {"PYTHONPATH": str(user.repo / "tests")}
+
+
 def read_metrics(run_dir: Path) -> Dict[str, float]:
     return json.loads((Path(run_dir) / "metrics.json").read_text())
+
+
+def one_line_error(result: subprocess.CompletedProcess, exit_code: int = 2, label: str = "error") -> str:
+    """The single `runlab: LABEL: ...` line a failed command must end with, once, without a traceback."""
+    assert result.returncode == exit_code, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output, output[-3000:]
+    lines = [line for line in output.splitlines() if f"runlab: {label}:" in line]
+    assert len(lines) == 1, output[-3000:]
+    assert result.stderr.rstrip().endswith(lines[0])
+    return lines[0]
 
 
 def composed(*overrides: str):

@@ -3,9 +3,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import write_csv_without_label
-from framework.errors import CheckpointError
-from framework.errors import ConfigError
+from conftest import one_line_error, write_csv_without_label
+from framework.errors import CheckpointError, ConfigError
 
 QUICK = ["trainer.max_steps=2", "trainer.progress_bar=false", "logger=none", "model.width=16"]
 
@@ -25,22 +24,14 @@ def test_cfg_job_prints_the_resolved_config(cli):
 
 
 @pytest.mark.timeout(300)
-def test_a_grid_over_lr_runs_one_complete_job_per_value(cli, tmp_path):
+def test_a_grid_over_lr_runs_one_complete_job_per_value(cli, user):
     result = cli("-m", "lr=1e-3,1e-4", *QUICK)
     assert result.returncode == 0, result.stderr[-2000:]
-    jobs = sorted((tmp_path / "outputs" / "train" / "multirun").glob("*/[0-9]*"))
+    jobs = sorted((user.outputs / "train" / "multirun").glob("*/[0-9]*"))
     assert [j.name for j in jobs] == ["0", "1"]
     assert [yaml.safe_load((j / ".hydra" / "config.yaml").read_text())["lr"] for j in jobs] == [1e-3, 1e-4]
     for job in jobs:
         assert (job / "metrics.json").is_file() and (job / "train.log").is_file() and (job / "checkpoints" / "last.pt").is_file()
-
-
-def one_line_error(result):
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("runlab: error:")]
-    assert len(errors) == 1
-    return errors[0]
 
 
 def test_a_bad_value_stops_with_one_line_and_exit_code_2(cli):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO, SHRINK, read_metrics
+from conftest import REPO, SHRINK, aids_on_path, read_metrics
 from framework.checkpoint import load_checkpoint
 from framework.errors import ConfigError
 from framework.entry import run
@@ -211,38 +212,65 @@ def test_ddp_multirun_gives_one_complete_run_dir_per_job(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_ddp_run_killed_mid_training_resumes_with_resume_auto(train, cli, tmp_path):
-    outputs = tmp_path / "outputs"
-    args = ["parallel=ddp", "name=killed", "trainer.max_epochs=10", "batch_size=128", "early_stopping.enabled=false",
-            "logger.name=none", "trainer.progress_bar=false", "model.width=32", f"paths.output_dir={outputs}"]
-    first = outputs / "killed" / "first"
-    with open(tmp_path / "first.log", "w") as console:
-        process = subprocess.Popen([sys.executable, str(REPO / "run.py"), *args, f"hydra.run.dir={first}"], cwd=REPO,
-                                   stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 150
-            while not (first / "checkpoints" / "last.pt").exists():
-                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
-                time.sleep(0.05)
-        finally:
-            os.killpg(process.pid, signal.SIGKILL)  # the Hydra job and both ddp processes
-            process.wait()
-    assert not (first / "metrics.json").exists()  # it really was killed before the end
-    done = cli(*args, "resume=auto", f"hydra.run.dir={outputs / 'killed' / 'second'}", timeout=200)
+@pytest.mark.parametrize("kill", [signal.SIGKILL, signal.SIGTERM])
+def test_ddp_run_stopped_mid_training_resumes_with_resume_auto(train, user, cli, tmp_path, kill):
+    """kill -9 of the whole process group loses the epoch in flight; SIGTERM to the launcher alone
+    reaches both workers, which save the step they are at. Either way resume=auto ends where an
+    uninterrupted run ends, and no worker outlives the launcher."""
+    args = ["parallel=ddp", "name=stopped", "trainer.max_epochs=10", "batch_size=128", "early_stopping.enabled=false",
+            "logger=none", "model.width=32"]
+    launcher = user.start(shlex.join(["python", "run.py", *args]), tmp_path / "first.log")
+    deadline = time.monotonic() + 150
+    while not list(user.outputs.glob("stopped/*/checkpoints/last.pt")):
+        assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+        time.sleep(0.05)
+    workers = worker_pids(launcher.pid)
+    if kill == signal.SIGKILL:
+        os.killpg(launcher.pid, signal.SIGKILL)  # the Hydra job; its workers follow (parent-death signal)
+    else:
+        os.kill(launcher.pid, signal.SIGTERM)  # the launcher alone, as `kill PID` does
+    assert launcher.wait(timeout=60) == (-signal.SIGKILL if kill == signal.SIGKILL else 128 + signal.SIGTERM)
+    assert all(gone(pid) for pid in workers), "a ddp worker outlived its launcher"
+    (first,) = user.runs("stopped")
+    assert not (first / "metrics.json").exists()  # it really stopped before the end
+    if kill == signal.SIGTERM:
+        assert "runlab: interrupted: SIGTERM at step" in (tmp_path / "first.log").read_text()
+    done = cli(*args, "resume=auto", timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
-    log = (outputs / "killed" / "second" / "train.log").read_text()
-    resumed_epoch = int(log.split("Resumed from")[1].split("at epoch ")[1].split(",")[0])
-    assert 1 <= resumed_epoch < 10
+    second = user.runs("stopped")[-1]
+    log = (second / "train.log").read_text()
+    resumed_step = int(log.split("Resumed from")[1].split("step ")[1].split(".")[0])
+    assert 1 <= resumed_step < 90
     _, reference = train("trainer.max_epochs=10", "batch_size=128", "early_stopping.enabled=false", "logger.name=none")
     for name, value in final_weights(reference).items():
-        torch.testing.assert_close(final_weights(outputs / "killed" / "second")[name], value, rtol=0, atol=1e-5)
+        torch.testing.assert_close(final_weights(second)[name], value, rtol=0, atol=1e-5)
+
+
+def worker_pids(launcher: int) -> List[int]:
+    """The ddp worker processes the launcher spawned (they leave its process group)."""
+    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    return [int(pid) for pid in children if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+
+
+def gone(pid: int, within: float = 30) -> bool:
+    """Whether the process ends (or is a zombie) within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.1)
+    return False
 
 
 @pytest.mark.timeout(180)
-def test_a_crashing_ddp_worker_takes_the_job_down_with_its_error(cli):
+def test_a_crashing_ddp_worker_takes_the_job_down_with_its_error(cli, user):
     started = time.monotonic()
     done = cli("parallel=ddp", "model._target_=parallel_models.CrashingMLP", "trainer=debug", "trainer.progress_bar=false",
-               "model.width=32", "parallel.timeout_s=60", timeout=150, env=TESTS_ON_PATH)
+               "model.width=32", "parallel.timeout_s=60", timeout=150, env=aids_on_path(user))
     assert done.returncode != 0
     assert "rank 1 crashed on purpose at its third step" in done.stderr, done.stderr[-3000:]
     assert time.monotonic() - started < 120  # taken down, not left to the 60 s collective timeout

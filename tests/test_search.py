@@ -1,32 +1,30 @@
-"""Sweeps end to end: real `python run.py` multiruns of tiny digits runs, outputs under tmp_path."""
+"""Sweeps end to end: real `python run.py` multiruns of tiny digits runs, typed in a fresh copy of the repository."""
 from __future__ import annotations
 
 import csv
-import os
+import shlex
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, read_metrics
+from conftest import aids_on_path, read_metrics
 
 # Seconds-long trials: 2 epochs of a one-layer MLP, CSV logs (TensorBoard where a test needs it).
 TINY = ["trainer.max_epochs=2", "trainer.progress_bar=false", "model.width=32", "model.depth=1", "batch_size=64",
         "logger=csv"]
-WITH_AIDS = {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
 
 
-def sweep(cli, tmp_path: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:
-    """A runlab sweep of tiny trials; its best experiment goes to tmp_path/search_path/experiment."""
-    return cli(*TINY, *args, f"hydra.sweeper.export_dir={tmp_path / 'search_path' / 'experiment'}", **kwargs)
+def sweep(cli, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    """A runlab sweep of tiny trials, typed in the user's copy of the repository."""
+    return cli(*TINY, *args, **kwargs)
 
 
-def sweep_dir(tmp_path: Path, study: str) -> Path:
-    return tmp_path / "outputs" / "train" / "multirun" / study
+def sweep_dir(user, study: str) -> Path:
+    return user.outputs / "train" / "multirun" / study
 
 
 def trials_table(directory: Path):
@@ -54,11 +52,10 @@ def test_sweep_configs_compose_as_multiruns(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_command_line_grid_runs_one_complete_job_per_value(tmp_path):
-    command = [sys.executable, "run.py", "-m", "lr=1e-3,3e-3", *TINY, f"paths.output_dir={tmp_path / 'outputs'}"]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=200)
+def test_command_line_grid_runs_one_complete_job_per_value(cli, user):
+    result = cli("-m", "lr=1e-3,3e-3", *TINY)
     assert result.returncode == 0, result.stderr[-2000:]
-    runs = sorted((tmp_path / "outputs" / "train" / "multirun").glob("*/*/metrics.json"))
+    runs = sorted((user.outputs / "train" / "multirun").glob("*/*/metrics.json"))
     assert len(runs) == 2
     lrs = sorted(float(p.parent.joinpath(".hydra/overrides.yaml").read_text().split("lr=")[1].split()[0]) for p in runs)
     assert lrs == [1e-3, 3e-3]
@@ -66,10 +63,10 @@ def test_command_line_grid_runs_one_complete_job_per_value(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_random_sweep_runs_n_trials_and_writes_its_report(cli, tmp_path):
-    result = sweep(cli, tmp_path, "search=random", "hydra.sweeper.n_trials=3")
+def test_random_sweep_runs_n_trials_and_writes_its_report(cli, user):
+    result = sweep(cli, "search=random", "hydra.sweeper.n_trials=3")
     assert result.returncode == 0, result.stderr[-2000:]
-    directory = sweep_dir(tmp_path, "train_random")
+    directory = sweep_dir(user, "train_random")
     rows = trials_table(directory)
     assert [row["state"] for row in rows] == ["COMPLETE"] * 3
     assert len({row["lr"] for row in rows}) == 3
@@ -78,30 +75,27 @@ def test_random_sweep_runs_n_trials_and_writes_its_report(cli, tmp_path):
     assert "Trials of study 'train_random'" in result.stdout
     # On demand, from the study alone (as for a sweep still running):
     (directory / "trials.csv").unlink()
-    report = subprocess.run([sys.executable, "-m", "framework.search.report", str(directory)], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    report = user.run("python -m framework.search.report outputs/train/multirun/train_random", timeout=120)
     assert report.returncode == 0, report.stderr[-2000:]
     assert trials_table(directory) == rows and "Best trial #" in report.stdout
 
 
 @pytest.mark.timeout(300)
-def test_tpe_sweep_report_and_best_experiment_reproduces_the_best_value(cli, tmp_path):
-    export = tmp_path / "search_path" / "experiment"
-    result = sweep(cli, tmp_path, "search=tpe", "hydra.sweeper.n_trials=4", "logger=tensorboard")
+def test_tpe_sweep_report_and_best_experiment_reproduces_the_best_value(cli, user):
+    result = sweep(cli, "search=tpe", "hydra.sweeper.n_trials=4", "logger=tensorboard")
     assert result.returncode == 0, result.stderr[-2000:]
-    directory = sweep_dir(tmp_path, "train_tpe")
+    directory = sweep_dir(user, "train_tpe")
     for name in ("trials.csv", "optimization_history.png", "parallel_coordinates.png", "param_importances.png",
                  "best.yaml"):
         assert (directory / name).stat().st_size > 0, name
     rows = trials_table(directory)
     assert len(rows) == 4 and all(row["state"] == "COMPLETE" for row in rows)
     best = max(rows, key=lambda row: float(row["value"]))
-    assert (export / "train_tpe_best.yaml").read_text() == (directory / "best.yaml").read_text()
+    assert (user.repo / "experiments" / "train_tpe_best.yaml").read_text() == (directory / "best.yaml").read_text()
 
-    again = cli(f"hydra.searchpath=[file://{export.parent}]", "experiment=train_tpe_best",
-                f"hydra.run.dir={tmp_path / 'again'}")
+    again = cli("experiment=train_tpe_best")
     assert again.returncode == 0, again.stderr[-2000:]
-    assert read_metrics(tmp_path / "again")["val/acc"] == pytest.approx(float(best["value"]), abs=1e-9)
+    assert read_metrics(user.runs("train")[-1])["val/acc"] == pytest.approx(float(best["value"]), abs=1e-9)
     assert_every_trial_in_hparams_tab(directory, rows)
 
 
@@ -129,22 +123,22 @@ FAULTS = ["model._target_=faulty_model.FaultyMLP", "+model.trial=${search.trial}
 
 
 @pytest.mark.timeout(400)
-def test_failing_trials_are_recorded_failed_and_too_many_stop_the_sweep(cli, tmp_path):
+def test_failing_trials_are_recorded_failed_and_too_many_stop_the_sweep(cli, user):
     # Trial 1 raises, 2 diverges (NaN loss), 3 runs out of memory. With at most 1 failure allowed
     # the sweep stops after trial 2; the same command with a higher limit resumes and finishes.
-    stopped = sweep(cli, tmp_path, "search=random", "hydra.sweeper.n_trials=5", "hydra.sweeper.max_failure_rate=0.2",
-                    *FAULTS, env=WITH_AIDS)
+    stopped = sweep(cli, "search=random", "hydra.sweeper.n_trials=5", "hydra.sweeper.max_failure_rate=0.2",
+                    *FAULTS, env=aids_on_path(user))
     assert stopped.returncode == 5, stopped.stderr[-2000:]
     summary = [line for line in stopped.stderr.splitlines() if line.startswith("runlab: error:")]
     assert len(summary) == 1 and "Traceback" not in stopped.stderr
     assert "Stopped the sweep: 2 of 3 trials failed, more than max_failure_rate=0.2 of n_trials=5 allows (1)" in summary[0]
     assert "#1: ValueError: a deliberately failing trial; #2: DivergedError: training diverged at step 1 (epoch 1): " \
            "loss nan" in summary[0]
-    directory = sweep_dir(tmp_path, "train_random")
+    directory = sweep_dir(user, "train_random")
     assert study_states(directory) == {0: "COMPLETE", 1: "FAIL", 2: "FAIL"}
 
-    finished = sweep(cli, tmp_path, "search=random", "hydra.sweeper.n_trials=5", "hydra.sweeper.max_failure_rate=0.6",
-                     *FAULTS, env=WITH_AIDS)
+    finished = sweep(cli, "search=random", "hydra.sweeper.n_trials=5", "hydra.sweeper.max_failure_rate=0.6",
+                     *FAULTS, env=aids_on_path(user))
     assert finished.returncode == 0, finished.stderr[-2000:]
     rows = trials_table(directory)
     assert [row["state"] for row in rows] == ["COMPLETE", "FAIL", "FAIL", "FAIL", "COMPLETE"]
@@ -156,13 +150,13 @@ def test_failing_trials_are_recorded_failed_and_too_many_stop_the_sweep(cli, tmp
 
 
 @pytest.mark.timeout(300)
-def test_median_pruner_stops_hopeless_trials_early(cli, tmp_path):
+def test_median_pruner_stops_hopeless_trials_early(cli, user):
     # Half the space cannot learn (lr=1e-7); after two full trials the median pruner stops those.
-    result = sweep(cli, tmp_path, "search=random", "hydra.sweeper.n_trials=4", "hydra/sweeper/pruner=median",
+    result = sweep(cli, "search=random", "hydra.sweeper.n_trials=4", "hydra/sweeper/pruner=median",
                    "hydra.sweeper.pruner.n_startup_trials=2", "hydra.sweeper.pruner.n_warmup_steps=1",
                    "hydra.sweeper.params.lr='choice(0.03,1e-7)'", "trainer.max_epochs=3", "early_stopping.enabled=false")
     assert result.returncode == 0, result.stderr[-2000:]
-    directory = sweep_dir(tmp_path, "train_random")
+    directory = sweep_dir(user, "train_random")
     rows = trials_table(directory)
     pruned = [row for row in rows if row["state"] == "PRUNED"]
     assert pruned and all(float(row["lr"]) == 1e-7 for row in pruned)
@@ -174,12 +168,10 @@ def test_median_pruner_stops_hopeless_trials_early(cli, tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_a_killed_sweep_resumes_to_n_trials_without_duplicates(cli, tmp_path):
+def test_a_killed_sweep_resumes_to_n_trials_without_duplicates(cli, user, tmp_path):
     args = ["search=random", "hydra.sweeper.n_trials=5", "trainer.max_epochs=3"]
-    command = [sys.executable, "run.py", f"paths.output_dir={tmp_path / 'outputs'}", *TINY, *args,
-               f"hydra.sweeper.export_dir={tmp_path / 'search_path' / 'experiment'}"]
-    driver = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    directory = sweep_dir(tmp_path, "train_random")
+    driver = user.start(shlex.join(["python", "run.py", *TINY, *args]), tmp_path / "driver.log")
+    directory = sweep_dir(user, "train_random")
     try:
         deadline = time.monotonic() + 200
         while sum(state == "COMPLETE" for state in states_or_none(directory).values()) < 2:
@@ -191,7 +183,7 @@ def test_a_killed_sweep_resumes_to_n_trials_without_duplicates(cli, tmp_path):
     before = study_states(directory)
     assert 2 <= list(before.values()).count("COMPLETE") < 5
 
-    result = sweep(cli, tmp_path, *args)
+    result = sweep(cli, *args)
     assert result.returncode == 0, result.stderr[-2000:]
     after = study_states(directory)
     assert list(after.values()).count("COMPLETE") == 5
@@ -210,12 +202,12 @@ def states_or_none(directory: Path):
 
 
 @pytest.mark.timeout(300)
-def test_ray_launcher_runs_trials_in_parallel_on_two_local_cpus(cli, tmp_path):
+def test_ray_launcher_runs_trials_in_parallel_on_two_local_cpus(cli, user):
     # 3 trials on 2 slots: the third starts in whichever slot frees first.
-    result = sweep(cli, tmp_path, "search=random", "launcher=ray_local", "hydra.sweeper.n_trials=3",
+    result = sweep(cli, "search=random", "launcher=ray_local", "hydra.sweeper.n_trials=3",
                    "hydra.sweeper.n_jobs=2", "+hydra.launcher.ray.init.num_cpus=2")
     assert result.returncode == 0, result.stderr[-2000:]
-    directory = sweep_dir(tmp_path, "train_random")
+    directory = sweep_dir(user, "train_random")
     assert study_states(directory) == {0: "COMPLETE", 1: "COMPLETE", 2: "COMPLETE"}
     for number in (0, 1, 2):
         assert "torch runs on 1 threads" in (directory / str(number) / "train.log").read_text()
@@ -226,8 +218,8 @@ def test_ray_launcher_runs_trials_in_parallel_on_two_local_cpus(cli, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_command_line_grid_runs_on_the_ray_launcher(cli, tmp_path):
-    result = cli("-m", *TINY, "lr=1e-3,3e-3", "launcher=ray_local", "+hydra.launcher.ray.init.num_cpus=2",
-                 f"hydra.sweep.dir={tmp_path / 'grid'}")
+def test_a_command_line_grid_runs_on_the_ray_launcher(cli, user):
+    result = cli("-m", *TINY, "lr=1e-3,3e-3", "launcher=ray_local", "+hydra.launcher.ray.init.num_cpus=2")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert [read_metrics(tmp_path / "grid" / str(number))["epoch"] for number in (0, 1)] == [2, 2]
+    (grid,) = (user.outputs / "train" / "multirun").iterdir()
+    assert [read_metrics(grid / str(number))["epoch"] for number in (0, 1)] == [2, 2]

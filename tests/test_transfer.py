@@ -107,11 +107,11 @@ def test_the_shipped_example_pair_reaches_65_percent_on_digits_5_to_9(train):
     assert metrics["epoch"] == 2 and metrics["val/acc"] >= 0.65 and metrics["test/acc"] >= 0.65
 
 
-def test_eval_reproduces_the_training_runs_metrics_exactly(train, cli, tmp_path):
+def test_eval_reproduces_the_training_runs_metrics_exactly(train, cli, user):
     metrics, run_dir = train("data.classes=[1,3,5,7]", *QUIET)
     last = cli("task=eval", f"ckpt={run_dir / 'checkpoints' / 'last.pt'}")
     assert last.returncode == 0, last.stderr
-    written = read_metrics(next((tmp_path / "outputs" / "eval").iterdir()))
+    written = read_metrics(user.runs("eval")[0])
     assert written["val/acc"] == metrics["val/acc"] and written["val/loss"] == metrics["val/loss"]
     assert f"val/acc {metrics['val/acc']:.6f}" in last.stdout + last.stderr
     best, _ = train("task=eval", f"ckpt={run_dir}", shrink=False)  # a run dir means its best checkpoint

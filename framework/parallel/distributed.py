@@ -12,6 +12,7 @@ shows progress and writes files; the others log warnings only, prefixed with the
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import logging
 import os
@@ -41,6 +42,7 @@ from framework.signals import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
@@ -189,7 +191,7 @@ def spawn_workers(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
     context = mp.get_context("spawn")
     reports = context.SimpleQueue()
     log.info("parallel=ddp: starting %d processes on 127.0.0.1:%d.", world_size, port)
-    workers = mp.start_processes(_worker, args=(world_size, port, config, str(run_dir), task, reports),
+    workers = mp.start_processes(_worker, args=(world_size, port, config, str(run_dir), task, reports, os.getpid()),
                                  nprocs=world_size, join=False, start_method="spawn")
     try:
         with signals_forwarded(workers.pids()):
@@ -207,8 +209,7 @@ def spawn_workers(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
 @contextlib.contextmanager
 def signals_forwarded(pids: List[int]) -> Iterator[None]:
     """SIGINT and SIGTERM sent to the launcher go on to every worker, which stop together at a step,
-    save last.pt and exit; the launcher then ends with their Interrupted. (A launcher killed outright
-    still takes its workers down: torch sets their parent-death signal to SIGINT.)"""
+    save last.pt and exit; the launcher then ends with their Interrupted."""
     def forward(signum: int, frame) -> None:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -243,7 +244,17 @@ def worker_failure(reports, failure: ProcessException) -> Exception:
     return RuntimeError(f"parallel=ddp: process {rank} failed; its error follows.\n{trace}")
 
 
-def _worker(rank: int, world_size: int, port: int, config: dict, run_dir: str, task: Task, reports) -> None:
+def die_with_launcher(launcher: int) -> None:
+    """No worker outlives its launcher, not even one killed with SIGKILL (Linux: the parent-death signal)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != launcher:  # it died before the line above took effect
+        os._exit(1)
+
+
+def _worker(rank: int, world_size: int, port: int, config: dict, run_dir: str, task: Task, reports,
+            launcher: int) -> None:
+    die_with_launcher(launcher)
     # Out of the terminal's process group: Ctrl-C reaches the launcher alone, which forwards it once.
     os.setpgrp()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),

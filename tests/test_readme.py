@@ -1,0 +1,183 @@
+"""The README's commands, verbatim, in a fresh copy of the repository.
+
+The commands are read from README.md itself, so the two cannot drift apart:
+
+- a ```bash block: every line is a command (a trailing `\\` continues it) and must exit 0. A
+  line whose comment starts with `needs:` (`# needs: 2 GPUs`) cannot run on this machine and
+  is skipped, with that reason; `tensorboard ...` starts a server, which must answer.
+- a ```console block: `$ COMMAND` lines, each followed by the output it prints. Every shown
+  line must appear, in order, in what the command prints (`...` stands for anything), and
+  `$ echo $?` shows the exit code of the command before it.
+- a ```python block runs as a script and must exit 0.
+
+Every block runs in README order, in one copy, with .venv/bin on PATH as after
+`source .venv/bin/activate`, and with nothing a user would not type.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import signal
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, List, Tuple
+
+import pytest
+
+from conftest import REPO, UserShell, copy_repository
+
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+TENSORBOARD_URL = "http://localhost:6006"
+
+
+@dataclass
+class Block:
+    kind: str  # bash | console | python
+    text: str
+    line: int  # where it starts in README.md
+
+    @property
+    def where(self) -> str:
+        return f"README.md:{self.line}"
+
+
+def readme_blocks(text: str) -> List[Block]:
+    return [Block(match.group(1), match.group(2), text.count("\n", 0, match.start()) + 1)
+            for match in FENCE.finditer(text) if match.group(1) in ("bash", "console", "python")]
+
+
+def bash_commands(block: Block) -> Iterator[Tuple[str, str]]:
+    """(command, reason to skip it or "") for each command of a bash block."""
+    pending = ""
+    for line in block.text.splitlines():
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        command = (pending + line).strip()
+        pending = ""
+        if not command or command.startswith("#"):
+            continue
+        comment = command.split(" #", 1)[1].strip() if " #" in command else ""
+        yield command, comment[len("needs:"):].strip() if comment.startswith("needs:") else ""
+
+
+@dataclass
+class Transcript:
+    commands: List[str] = field(default_factory=list)
+    outputs: List[List[str]] = field(default_factory=list)
+
+
+def console_transcript(block: Block) -> Transcript:
+    transcript = Transcript()
+    for line in block.text.splitlines():
+        if line.startswith("$ "):
+            transcript.commands.append(line[2:])
+            transcript.outputs.append([])
+        elif transcript.commands and line.strip():
+            transcript.outputs[-1].append(line.strip())
+    return transcript
+
+
+def as_pattern(shown: str) -> re.Pattern:
+    return re.compile(".*".join(re.escape(part) for part in shown.split("...")))
+
+
+def assert_shown_lines_appear(shown: List[str], printed: str, command: str, where: str) -> None:
+    lines = iter(printed.splitlines())
+    for expected in shown:
+        pattern = as_pattern(expected)
+        assert any(pattern.search(line) for line in lines), \
+            f"{where}: `{command}` did not print, in this order, the line\n  {expected}\nIt printed:\n{printed[-4000:]}"
+
+
+def run_transcript(user: UserShell, transcript: Transcript, where: str) -> None:
+    """Each `$` line in one bash session (so `echo $?` sees the command before it), outputs split by markers."""
+    script = ["__status=0"]
+    for number, command in enumerate(transcript.commands):
+        script += [f"echo '@@{number}@@'", f"(exit $__status)", f"{command} 2>&1", "__status=$?"]
+    done = user.run("\n".join(script), timeout=900)
+    printed = re.split(r"^@@\d+@@$", done.stdout, flags=re.M)[1:]
+    assert len(printed) == len(transcript.commands), f"{where}: the transcript stopped early:\n{done.stdout[-3000:]}"
+    for command, shown, output in zip(transcript.commands, transcript.outputs, printed):
+        assert_shown_lines_appear(shown, output, command, where)
+
+
+def serve_tensorboard(user: UserShell, command: str, log: Path, where: str) -> None:
+    server = user.start(command, log)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert server.poll() is None, f"{where}: `{command}` exited:\n{log.read_text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(TENSORBOARD_URL, timeout=5) as page:
+                    assert page.status == 200
+                    return
+            except OSError:
+                assert time.monotonic() < deadline, f"{where}: `{command}` did not answer on {TENSORBOARD_URL}"
+                time.sleep(0.5)
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+@dataclass
+class Step:
+    """One thing a reader does: a bash command, a console transcript or a python block."""
+    block: Block
+    command: str = ""
+    needs: str = ""
+
+    @property
+    def id(self) -> str:
+        return f"{self.block.where} {self.command or self.block.kind}"[:90]
+
+
+def readme_steps() -> List[Step]:
+    steps = []
+    for block in readme_blocks((REPO / "README.md").read_text()):
+        if block.kind == "bash":
+            steps += [Step(block, command, needs) for command, needs in bash_commands(block)]
+        else:
+            steps.append(Step(block))
+    return steps
+
+
+STEPS = readme_steps()
+
+
+@pytest.fixture(scope="module")
+def reader(tmp_path_factory) -> UserShell:
+    """One fresh copy for the whole README, read top to bottom (later commands use earlier runs)."""
+    return UserShell(copy_repository(tmp_path_factory.mktemp("readme") / "runlab"))
+
+
+def test_the_readme_format_is_understood():
+    commands = [step.command for step in STEPS if step.command and not step.needs]
+    assert len(commands) >= 20 and "python run.py -m lr=1e-3,1e-4" in commands
+    assert all(console_transcript(s.block).commands for s in STEPS if s.block.kind == "console")
+    assert as_pattern("micro-batch ... fits").search("micro-batch 4096 fits")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("step", STEPS, ids=[step.id for step in STEPS])
+def test_readme_step_works_verbatim_in_a_fresh_copy(reader, step, tmp_path):
+    where = step.block.where
+    if step.needs:
+        pytest.skip(f"needs {step.needs}")
+    if step.block.kind == "console":
+        run_transcript(reader, console_transcript(step.block), where)
+    elif step.block.kind == "python":
+        done = reader.run(f"python -c {shlex.quote(step.block.text)}", timeout=500)
+        assert done.returncode == 0, f"{where}: the python block failed:\n{done.stderr[-3000:]}"
+    elif step.command.startswith("tensorboard "):
+        serve_tensorboard(reader, step.command, tmp_path / "tensorboard.log", where)
+    else:
+        done = reader.run(step.command, timeout=500)
+        assert done.returncode == 0, f"{where}: `{step.command}` exited {done.returncode}:\n" \
+                                     f"{(done.stdout + done.stderr)[-3000:]}"
