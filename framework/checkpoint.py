@@ -23,6 +23,7 @@ from torch import nn
 
 from framework.errors import CheckpointError, ResourceError
 from framework.model import build_model
+from framework.paths import shown
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         if not disk_full(error, path.parent):
             raise
         kept = f"the previous {path.name} is kept" if path.exists() else f"no {path.name} was written before"
-        raise ResourceError(f"no space left on device writing {path}; {kept}. Free some space, then continue with "
+        raise ResourceError(f"no space left on device writing {shown(path)}; {kept}. Free some space, then continue with "
                             "resume=auto.") from None
     finally:
         tmp.unlink(missing_ok=True)

@@ -10,13 +10,13 @@ import importlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig
 
-from framework import paths  # noqa: F401  (registers the runlab.* resolvers the configs use)
 from framework.errors import ConfigError
+from framework.paths import register_resolvers
 
 
 @dataclass
@@ -179,6 +179,7 @@ class RunConfig:
 def register_configs() -> None:
     store = ConfigStore.instance()
     store.store(name="runlab_schema", node=RunConfig)
+    register_resolvers()
 
 
 register_configs()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import logging
 from pathlib import Path
-from typing import Dict, Mapping
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F

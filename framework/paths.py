@@ -1,6 +1,6 @@
 """Where runs write (conf/paths/, conf/hydra/): one fresh dir per run, and a lock while it lives.
 
-Two resolvers are registered on import, before Hydra composes anything:
+Two resolvers are registered with the config schemas, before Hydra composes anything:
 
 - ``${runlab.cwd:}``: the directory the command was started in. Unlike ``${hydra:runtime.cwd}``
   it also resolves where Hydra has not set its config yet: a multirun driver resolves
@@ -65,12 +65,10 @@ def unusable_dir(path: Path, error: OSError) -> str:
 
 
 def register_resolvers() -> None:
+    """Called with the config schemas' registration (framework/config.py), before Hydra composes."""
     if not OmegaConf.has_resolver("runlab.cwd"):
         OmegaConf.register_new_resolver("runlab.cwd", os.getcwd, use_cache=True)
         OmegaConf.register_new_resolver("runlab.new_dir", new_dir, use_cache=True)
-
-
-register_resolvers()
 
 
 class RunLock:
@@ -98,6 +96,14 @@ class RunLock:
     def __exit__(self, *exc_info) -> None:
         self.path.unlink(missing_ok=True)
         self.handle.close()  # closing releases the flock
+
+
+def shown(path: Path) -> str:
+    """``path`` relative to the working directory when it is inside it, as a user would type it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def lock_owner(path: Path) -> str:

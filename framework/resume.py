@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.checkpoint import find_latest_checkpoint
 from framework.errors import ConfigError
-from framework.paths import live_run
+from framework.paths import live_run, shown
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def checkpoint_to_resume(cfg: DictConfig, run_dir: Path) -> Optional[Path]:
         return None
     owner = live_run(found.parent.parent)
     if owner:
-        raise ConfigError(f"resume=auto: the latest run of {cfg.name!r}, {found.parent.parent}, is still running "
+        raise ConfigError(f"resume=auto: the latest run of {cfg.name!r}, {shown(found.parent.parent)}, is still running "
                           f"({owner}); let it finish or stop it, then resume.")
     return found
 
@@ -55,7 +55,7 @@ def flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
         return {prefix: tree}
     flat: Dict[str, Any] = {}
     for key, value in tree.items():
-        flat.update(flatten(value, f"{prefix}{key}."  if isinstance(value, dict) else f"{prefix}{key}"))
+        flat.update(flatten(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
     return flat
 
 
@@ -85,6 +85,6 @@ def check_same_model(saved_spec: Dict[str, Any], spec: Dict[str, Any], source: P
     for key in sorted(saved_spec.keys() | spec.keys()):
         if saved_spec.get(key) != spec.get(key):
             name = key if key in ("input_shape", "num_classes") else f"model.{key}"  # the first two come from the data
-            raise ConfigError(f"resume={source} holds a model with {name}={saved_spec.get(key)!r}, but this config "
+            raise ConfigError(f"resume={shown(source)} holds a model with {name}={saved_spec.get(key)!r}, but this config "
                               f"builds {name}={spec.get(key)!r}; resume with the checkpoint's model and data, or "
                               "fine-tune from it with finetune.from=PATH.")

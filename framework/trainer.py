@@ -26,6 +26,7 @@ from framework.model import build_model, count_parameters
 from framework.nonfinite import NonFiniteGuard
 from framework.optimizer import build_optimizer, configured_groups, keep_configured, restart_lr
 from framework.parallel import Environment, unwrap
+from framework.paths import shown
 from framework.progress import ProgressBar
 from framework.resume import changed_settings, check_same_model, checkpoint_to_resume
 from framework.scheduler import build_scheduler, same_schedule
@@ -149,7 +150,7 @@ class Trainer:
             self.scheduler = build_scheduler(self.cfg.scheduler, self.optimizer)
             self.scheduler.fast_forward(self.epoch, self.step)
         self.checkpointer.adopt_best(source.with_name("best.pt"))
-        log.info("Resumed from %s at epoch %d, step %d.", source, self.epoch, self.step)
+        log.info("Resumed from %s at epoch %d, step %d.", shown(source), self.epoch, self.step)
         if changes:
             log.info("Resumed with this command line's settings: %s.", "; ".join(changes))
         complete = self.complete_because()
@@ -441,14 +442,6 @@ class Trainer:
             if isinstance(value, (int, float, str, bool)) and not key.startswith("_"):
                 flat[f"model.{key}"] = value
         return {**flat, **self.trial.hparams()}
-
-
-def shown(path: Path) -> str:
-    """``path`` relative to the working directory when it is inside it, as a user would type it."""
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
 
 
 def metric_value(metrics: Dict[str, float], name: str) -> float:

@@ -1,6 +1,8 @@
-"""A testing aid for sweeps: an MLP that fails the way real runs fail, in chosen trials.
+"""A testing aid: an MLP that fails the way real runs fail, in chosen trials or steps.
 
     model._target_=faulty_model.FaultyMLP '+model.trial=${search.trial}' '+model.faults={1:raise,2:nan_loss,3:oom}'
+    model._target_=faulty_model.FaultyMLP '+model.nan_at_steps=[3,7]'      NaN logits on those training steps
+    model._target_=faulty_model.FaultyMLP +model.nan_in_eval=true          NaN logits in evaluation only
 
 needs tests/ on PYTHONPATH. ``raise`` raises, ``nan_loss`` returns NaN logits (so the loss is
 NaN), ``oom`` raises the RuntimeError that PyTorch's CPU allocator raises when memory runs out.
@@ -17,14 +19,19 @@ CPU_OOM = ("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't
 
 class FaultyMLP(MLP):
     def __init__(self, input_shape: Sequence[int], num_classes: int, trial: int = -1,
-                 faults: Optional[Dict[int, str]] = None, **mlp_kwargs):
+                 faults: Optional[Dict[int, str]] = None, nan_at_steps: Sequence[int] = (), nan_in_eval: bool = False,
+                 **mlp_kwargs):
         super().__init__(input_shape, num_classes, **mlp_kwargs)
         self.fault = (faults or {}).get(trial, "none")
+        self.nan_at_steps, self.nan_in_eval, self.training_steps = set(nan_at_steps), nan_in_eval, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fault == "raise":
             raise ValueError("a deliberately failing trial")
         if self.fault == "oom":
             raise RuntimeError(CPU_OOM)
+        self.training_steps += self.training  # one forward per step: no accumulation in these tests
         logits = super().forward(x)
-        return logits * float("nan") if self.fault == "nan_loss" else logits
+        nan = self.fault == "nan_loss" or (self.training and self.training_steps in self.nan_at_steps) or \
+            (not self.training and self.nan_in_eval)
+        return logits * float("nan") if nan else logits

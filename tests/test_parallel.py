@@ -18,7 +18,6 @@ from typing import Dict, List
 
 import pytest
 import torch
-from torch import nn
 
 from conftest import REPO, SHRINK, aids_on_path, read_metrics
 from framework.checkpoint import load_checkpoint

@@ -97,8 +97,8 @@ def run_transcript(user: UserShell, transcript: Transcript, where: str) -> None:
     """Each `$` line in one bash session (so `echo $?` sees the command before it), outputs split by markers."""
     script = ["__status=0"]
     for number, command in enumerate(transcript.commands):
-        script += [f"echo '@@{number}@@'", f"(exit $__status)", f"{command} 2>&1", "__status=$?"]
-    done = user.run("\n".join(script), timeout=900)
+        script += [f"echo '@@{number}@@'", "(exit $__status)", f"{command} 2>&1", "__status=$?"]
+    done = user.run("\n".join(script), timeout=500)
     printed = re.split(r"^@@\d+@@$", done.stdout, flags=re.M)[1:]
     assert len(printed) == len(transcript.commands), f"{where}: the transcript stopped early:\n{done.stdout[-3000:]}"
     for command, shown, output in zip(transcript.commands, transcript.outputs, printed):
@@ -158,7 +158,7 @@ def reader(tmp_path_factory) -> UserShell:
 
 
 def test_the_readme_format_is_understood():
-    commands = [step.command for step in STEPS if step.command and not step.needs]
+    commands = [step.command.split(" #")[0].strip() for step in STEPS if step.command and not step.needs]
     assert len(commands) >= 20 and "python run.py -m lr=1e-3,1e-4" in commands
     assert all(console_transcript(s.block).commands for s in STEPS if s.block.kind == "console")
     assert as_pattern("micro-batch ... fits").search("micro-batch 4096 fits")

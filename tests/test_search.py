@@ -52,17 +52,6 @@ def test_sweep_configs_compose_as_multiruns(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_command_line_grid_runs_one_complete_job_per_value(cli, user):
-    result = cli("-m", "lr=1e-3,3e-3", *TINY)
-    assert result.returncode == 0, result.stderr[-2000:]
-    runs = sorted((user.outputs / "train" / "multirun").glob("*/*/metrics.json"))
-    assert len(runs) == 2
-    lrs = sorted(float(p.parent.joinpath(".hydra/overrides.yaml").read_text().split("lr=")[1].split()[0]) for p in runs)
-    assert lrs == [1e-3, 3e-3]
-    assert all(read_metrics(p.parent)["epoch"] == 2 for p in runs)
-
-
-@pytest.mark.timeout(240)
 def test_random_sweep_runs_n_trials_and_writes_its_report(cli, user):
     result = sweep(cli, "search=random", "hydra.sweeper.n_trials=3")
     assert result.returncode == 0, result.stderr[-2000:]

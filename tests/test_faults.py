@@ -1,0 +1,317 @@
+"""Faults are features: each fault a user can meet, started the way a user starts a run.
+
+Every test types its command in a fresh copy of the repository (`user`, `cli`) and checks two
+things: nothing was lost (the checkpoints on disk are the last good ones and resume from
+them), and the user got one clear line with the documented exit code (README, "When
+something goes wrong").
+"""
+from __future__ import annotations
+
+import csv
+import math
+import re
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+import yaml
+
+from conftest import aids_on_path, one_line_error, read_metrics
+from framework.checkpoint import load_checkpoint
+
+QUICK = ["logger=none", "trainer.progress_bar=false"]
+FAULTY = "model._target_=faulty_model.FaultyMLP"
+
+
+def weights(run_dir: Path, name: str = "last.pt") -> Dict[str, torch.Tensor]:
+    return load_checkpoint(run_dir / "checkpoints" / name)["model"]
+
+
+def all_finite(state: Dict[str, torch.Tensor]) -> bool:
+    return all(torch.isfinite(tensor).all() for tensor in state.values())
+
+
+def logged_lr(run_dir: Path) -> List[float]:
+    with open(run_dir / "metrics.csv", newline="") as handle:
+        return [float(row["value"]) for row in csv.DictReader(handle) if row["metric"] == "lr" and row["step"].isdigit()]
+
+
+def wait_for(condition, process: subprocess.Popen, log: Path, within: float = 150) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+
+
+def namespaced(command: str, setup: str) -> str:
+    """``command`` typed after ``setup`` in a private mount namespace (a small disk, a read-only
+    folder) that the test can make without touching the machine."""
+    return f"unshare -rm bash -c {shlex.quote(f'{setup} && {command}')}"
+
+
+def mount_namespaces_work(user) -> bool:
+    probe = user.repo / ".mount-probe"
+    probe.mkdir()
+    works = user.run(namespaced("true", f"mount -t tmpfs -o size=1m tmpfs {probe.name}"), timeout=30).returncode == 0
+    probe.rmdir()
+    return works
+
+
+# --- non-finite values -------------------------------------------------------------------------
+
+def test_a_diverging_run_stops_at_the_step_and_keeps_the_last_finite_checkpoints(cli, user):
+    # The lr grows 1e4-fold every epoch: finite for a while, then the loss explodes.
+    result = cli("scheduler=step", "scheduler.build.step_size=1", "scheduler.build.gamma=1e4", "trainer.max_epochs=6",
+                 *QUICK)
+    line = one_line_error(result, exit_code=3)
+    assert "training diverged at step" in line and "Likely causes: a learning rate too high" in line
+    assert "keeps the last finite state" in line
+    (run_dir,) = user.runs()
+    assert not (run_dir / "metrics.json").exists()
+    last, best = load_checkpoint(run_dir / "checkpoints/last.pt"), weights(run_dir, "best.pt")
+    assert last["epoch"] >= 1 and all_finite(last["model"]) and all_finite(best)
+    assert line.endswith(f"{run_dir.relative_to(user.repo)}/checkpoints/last.pt keeps the last finite state "
+                         f"(epoch {last['epoch']}); resume=auto with a lower lr continues from it.")
+
+
+def test_skip_drops_the_non_finite_steps_and_counts_them(cli, user):
+    result = cli(FAULTY, "+model.nan_at_steps=[3,7]", "trainer.on_nonfinite=skip", "trainer.max_epochs=1", *QUICK,
+                 env=aids_on_path(user))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = user.runs()
+    metrics = read_metrics(run_dir)
+    assert metrics["trainer/nonfinite_steps_skipped"] == 2 and math.isfinite(metrics["train/loss"])
+    assert all_finite(weights(run_dir))
+    assert (run_dir / "train.log").read_text().count("Skipped step") == 2
+
+
+def test_a_non_finite_validation_metric_stops_the_run_before_any_checkpoint(cli, user):
+    line = one_line_error(cli(FAULTY, "+model.nan_in_eval=true", *QUICK, env=aids_on_path(user)), exit_code=3)
+    assert "training diverged at the validation after step 19 (epoch 1): val/loss nan" in line
+    assert line.endswith("No checkpoint was written before it.")
+    (run_dir,) = user.runs()
+    assert not (run_dir / "checkpoints").exists()
+
+
+# --- resume means continue -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("ending", ["budget", "early stopping"])
+def test_resume_auto_on_a_complete_run_trains_nothing_and_exits_0(cli, user, ending):
+    first = ["trainer.max_epochs=3"] if ending == "budget" else ["lr=1e-12", "early_stopping.patience=1"]
+    assert cli(*first, *QUICK).returncode == 0
+    (done,) = user.runs()
+    result = cli(*first, *QUICK, "resume=auto")
+    assert result.returncode == 0, result.stderr[-3000:]
+    again = user.runs()[-1]
+    assert "is complete" in result.stdout and "nothing left to train" in result.stdout
+    metrics, before = read_metrics(again), read_metrics(done)
+    assert metrics["step"] == before["step"] and metrics["epoch"] == before["epoch"]  # not one step more
+    for key in ("val/acc", "best/val/acc", "test/acc"):
+        assert metrics[key] == before[key], key
+
+
+def test_a_larger_budget_continues_on_a_schedule_rebuilt_for_it(cli, user):
+    common = ["logger=csv", "trainer.log_every_n_steps=19", "trainer.progress_bar=false"]  # one lr value per epoch
+    assert cli("trainer.max_epochs=2", *common).returncode == 0
+    result = cli("trainer.max_epochs=4", *common, "resume=auto")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trainer.max_epochs: 2 -> 4" in result.stdout and "scheduler.build.T_max: 2 -> 4" in result.stdout
+    # Epochs 3 and 4 of a cosine over 4 epochs, not the cosine over 2 that had already reached 0.
+    expected = [1e-3 * 0.5 * (1 + math.cos(math.pi * epoch / 4)) for epoch in (2, 3)]
+    assert logged_lr(user.runs()[-1]) == pytest.approx(expected, rel=1e-6)
+    assert read_metrics(user.runs()[-1])["epoch"] == 4
+
+
+def test_resume_with_another_lr_trains_at_it_and_records_it(cli, user):
+    common = ["logger=csv", "trainer.log_every_n_steps=19", "trainer.progress_bar=false", "trainer.max_epochs=4"]
+    assert cli(*common, "trainer.max_steps=38").returncode == 0  # stopped after 2 of 4 epochs
+    (first,) = user.runs()
+    result = cli(*common, "lr=1e-2", f"resume={first}/checkpoints/last.pt")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "lr: 0.001 -> 0.01" in result.stdout
+    second = user.runs()[-1]
+    expected = [1e-2 * 0.5 * (1 + math.cos(math.pi * epoch / 4)) for epoch in (2, 3)]
+    assert logged_lr(second) == pytest.approx(expected, rel=1e-6)
+    assert yaml.safe_load((second / ".hydra/config.yaml").read_text())["lr"] == 0.01
+    assert load_checkpoint(second / "checkpoints/last.pt")["config"]["lr"] == 0.01
+
+
+@pytest.mark.parametrize("override, named", [
+    ("model.width=64", "holds a model with model.width=256, but this config builds model.width=64"),
+    ("data.classes=[0,1]", "holds a model with num_classes=10, but this config builds num_classes=2"),
+    ("batch_size=32", "resume: batch_size=32 differs from the checkpoint's 64"),
+    ("model=cnn", "holds a model with model._target_='framework.model.MLP', but this config builds "
+                  "model._target_='framework.model.CNN'"),
+])
+def test_resume_refuses_a_different_run_naming_the_key(cli, user, override, named):
+    assert cli("trainer.max_epochs=1", *QUICK).returncode == 0
+    line = one_line_error(cli("trainer.max_epochs=2", *QUICK, override, "resume=auto"))
+    assert named in line
+
+
+def test_a_checkpoint_with_the_marker_but_missing_keys_is_one_line(cli, user):
+    assert cli("trainer.max_epochs=1", *QUICK).returncode == 0
+    (run_dir,) = user.runs()
+    state = load_checkpoint(run_dir / "checkpoints/last.pt")
+    del state["optimizer"], state["rng"]
+    torch.save(state, user.repo / "damaged.pt")
+    line = one_line_error(cli("resume=damaged.pt", *QUICK))
+    assert "damaged.pt has the runlab marker but lacks optimizer, rng" in line
+
+
+# --- signals -------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_the_step_and_resume_ends_where_an_uninterrupted_run_ends(train, cli, user, tmp_path, signum):
+    args = ["name=signalled", "trainer.max_epochs=6", "model.dropout=0.2", "early_stopping.enabled=false", *QUICK]
+    log = tmp_path / "first.log"
+    process = user.start(shlex.join(["python", "run.py", *args]), log)
+    wait_for(lambda: list(user.outputs.glob("signalled/*/checkpoints/last.pt")), process, log)
+    time.sleep(0.1)  # into the next epoch, so the saved point is mid-epoch
+    process.send_signal(signum)
+    assert process.wait(timeout=60) == 128 + signum, log.read_text()[-3000:]
+    (first,) = user.runs("signalled")
+    saved = load_checkpoint(first / "checkpoints/last.pt")
+    lines = [line for line in log.read_text().splitlines() if "runlab: interrupted:" in line]
+    assert lines == [f"runlab: interrupted: {signal.Signals(signum).name} at step {saved['step']} (epoch "
+                     f"{saved['epoch'] + 1}); saved {first.relative_to(user.repo)}/checkpoints/last.pt. "
+                     "Continue with resume=auto."]
+    assert not (first / "run.lock").exists() and not (first / "metrics.json").exists()
+    result = cli(*args, "resume=auto")
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, reference = train("trainer.max_epochs=6", "model.dropout=0.2", "early_stopping.enabled=false", "logger=none",
+                         shrink=False)
+    resumed = weights(user.runs("signalled")[-1])
+    for name, value in weights(reference).items():
+        assert torch.equal(resumed[name], value), name
+
+
+# --- one run, one dir ---------------------------------------------------------------------------
+
+def test_two_runs_started_together_get_a_dir_each(user, tmp_path):
+    command = "python run.py trainer.max_epochs=2 logger=none trainer.progress_bar=false"
+    first, second = (user.start(command, tmp_path / f"{n}.log") for n in (1, 2))
+    assert first.wait(timeout=200) == 0 and second.wait(timeout=200) == 0
+    runs = user.runs()
+    assert len(runs) == 2  # in the same second, the second one is <date>_<time>_1
+    for run_dir in runs:
+        log = (run_dir / "train.log").read_text()
+        assert log.count("Run dir: ") == 1 and f"Run dir: {run_dir.relative_to(user.repo)}" in log
+        assert read_metrics(run_dir)["epoch"] == 2
+
+
+def test_a_live_run_holds_its_lock_and_resume_auto_refuses_it(cli, user, tmp_path):
+    log = tmp_path / "live.log"
+    live = user.start("python run.py trainer.max_epochs=500 early_stopping.enabled=false logger=none", log)
+    wait_for(lambda: list(user.outputs.glob("train/*/checkpoints/last.pt")), live, log)
+    (run_dir,) = user.runs()
+    assert (run_dir / "run.lock").read_text().startswith(f"pid {live.pid} on ")
+    line = one_line_error(cli("trainer.max_epochs=500", "resume=auto", *QUICK))
+    assert f"the latest run of 'train', {run_dir.relative_to(user.repo)}, is still running (pid {live.pid} on" in line
+    live.send_signal(signal.SIGTERM)
+    assert live.wait(timeout=60) == 143
+    assert not (run_dir / "run.lock").exists()
+
+
+# --- errors a user can cause: one line, once ---------------------------------------------------
+
+def test_an_experiment_with_a_yaml_syntax_error_names_the_file_and_line(cli, user):
+    (user.repo / "experiments" / "broken.yaml").write_text("# @package _global_\nname: broken\n  lr: 1\n")
+    result = cli("experiment=broken")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"{user.repo.resolve()}/experiments/broken.yaml, line 3, column 5: not valid YAML "
+                                    "(mapping values are not allowed here).")
+
+
+CSV_FILES = {
+    "binary": (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", "is not a text CSV file: byte 0 is not UTF-8 text"),
+    "label only": (b"label\n0\n1\n", "has only its label column 'label'; it needs feature columns too"),
+    "ragged": (b"a,b,label\n1,2,0\n3,1\n5,6,0\n", "is ragged: line 3 has 2 values but the header has 3 columns"),
+    "empty cell": (b"a,b,label\n1,2,0\n3,,1\n5,6,0\n", "line 3, column 'b' is empty"),
+    "nan cell": (b"a,b,label\n1,2,0\n3,nan,1\n5,6,0\n", "line 3, column 'b' holds 'nan'"),
+}
+
+
+@pytest.mark.parametrize("kind", CSV_FILES)
+def test_a_broken_csv_is_one_line_naming_what_and_where(cli, user, kind):
+    content, message = CSV_FILES[kind]
+    (user.repo / "mine.csv").write_bytes(content)
+    line = one_line_error(cli("data=csv", "data.path=mine.csv", *QUICK))
+    assert f"data.path='mine.csv' {message}" in line
+
+
+@pytest.mark.parametrize("override, message", [
+    ("lr=inf", "lr=inf is invalid; the learning rate must be a positive number."),
+    ("model.width=0", "model.width=0 is invalid; layer sizes and counts must be at least 1."),
+    ("data.classes=[3]", "data.classes=[3] is invalid; keep at least 2 distinct labels"),
+    ("early_stopping.min_delta=nan", "early_stopping.min_delta=nan is invalid"),
+    ("seed=-1", "seed=-1 is invalid; it must be an integer from 0 to 2**32 - 1."),
+    ("seed=4294967296", "seed=4294967296 is invalid"),
+    ("device=gpu", "device='gpu' is not a device; use auto, cpu, cuda or cuda:N."),
+])
+def test_a_value_that_cannot_work_is_refused_before_any_work(cli, user, override, message):
+    line = one_line_error(cli(override))
+    assert message in line
+    assert not list(user.outputs.glob("**/checkpoints"))
+
+
+def test_a_name_too_long_for_the_file_system_is_one_line(cli, user):
+    line = one_line_error(cli(f"name={'x' * 300}"))
+    assert "is too long for the file system" in line and "choose a shorter name" in line
+
+
+def test_an_unwritable_run_dir_is_one_line(user):
+    if not mount_namespaces_work(user):
+        pytest.skip("this machine cannot make a private mount namespace (unshare -rm)")
+    (user.outputs).mkdir()
+    result = user.run(namespaced("python run.py", "mount --bind outputs outputs && mount -o remount,bind,ro outputs"))
+    line = one_line_error(result)
+    assert "cannot create the run dir" in line and "(Read-only file system)" in line
+
+
+@pytest.mark.timeout(300)
+def test_a_full_disk_keeps_the_previous_checkpoint_and_is_one_line(user):
+    if not mount_namespaces_work(user):
+        pytest.skip("this machine cannot make a private mount namespace (unshare -rm)")
+    # The run writes to a 30 MB tmpfs; once its first last.pt exists, the disk is filled.
+    fill = ("python run.py trainer.max_epochs=50 early_stopping.enabled=false trainer.progress_bar=false & "
+            "until ls outputs/train/*/checkpoints/last.pt; do sleep 0.05; done; "
+            "head -c 100M /dev/zero > outputs/filler; wait $!; status=$?; "
+            "python -c 'import framework, glob; print(\"epoch\", framework.checkpoint.load_checkpoint("
+            "glob.glob(\"outputs/train/*/checkpoints/last.pt\")[0])[\"epoch\"])'; exit $status")
+    user.outputs.mkdir()
+    result = user.run(namespaced(fill, "mount -t tmpfs -o size=30m tmpfs outputs"), timeout=280)
+    line = one_line_error(result, exit_code=4)
+    # The disk fills while last.pt or its copy best.pt is written; either way the previous file stays.
+    assert re.search(r"no space left on device writing outputs/train/[^/]+/checkpoints/(last|best)\.pt; the previous "
+                     r"\1\.pt is kept\. Free some space, then continue with resume=auto\.$", line), line
+    assert "epoch " in result.stdout  # the kept checkpoint loads
+
+
+def test_an_unreachable_ray_cluster_is_one_line(cli):
+    result = cli("search=random", "launcher=ray_local", "+hydra.launcher.ray.init.address=127.0.0.1:9",
+                 "hydra.sweeper.n_trials=1", *QUICK)
+    line = one_line_error(result, exit_code=5)
+    assert "The Ray cluster at 127.0.0.1:9 cannot be reached" in line
+
+
+# --- the end of a run says where things are ---------------------------------------------------
+
+def test_the_last_lines_of_a_run_say_where_everything_is(cli, user):
+    result = cli("trainer.max_epochs=2", "trainer.progress_bar=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = user.runs()
+    shown = run_dir.relative_to(user.repo)
+    metrics = read_metrics(run_dir)
+    last = [line.split(" - ", 1)[1] for line in result.stdout.strip().splitlines()[-4:]]
+    assert last == [f"Run dir: {shown}",
+                    f"Best val/acc: {metrics['best/val/acc']:.4f}   test/acc {metrics['test/acc']:.4f}  "
+                    f"test/loss {metrics['test/loss']:.4f}",
+                    f"Checkpoints: {shown}/checkpoints/best.pt, {shown}/checkpoints/last.pt",
+                    f"TensorBoard: tensorboard --logdir {shown}/tensorboard"]
