@@ -115,7 +115,7 @@ def run_name(name: str, run_dir: Path, trial: NoTrial) -> str:
         label = f"{name} {run_dir.name}"
     else:
         swept = (f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}"
-                 for key, value in trial.hparams().items())
+                 for key, value in sorted(trial.hparams().items()))
         label = " ".join([f"trial {trial.number}", *swept])
     return label.replace(os.sep, "_")[:200]  # one folder, within file systems' 255-byte names
 
