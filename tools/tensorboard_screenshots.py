@@ -74,7 +74,9 @@ def look(chromium: str, logdir: Path, out: Path, prefix: str) -> List[Path]:
         shots = []
         for tab in TABS:
             path = out / f"{prefix}_{tab}.png"
-            screenshot(chromium, f"{url}/#{tab}", path)
+            # forceSVG: TensorBoard draws charts as SVG, not WebGL in a worker, whose curves a headless
+            # screenshot sometimes catches before they are drawn; what the charts show is the same.
+            screenshot(chromium, f"{url}/?forceSVG=true#{tab}", path)
             shots.append(path)
         return shots
     finally:
