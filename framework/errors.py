@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import sys
-from typing import List, NoReturn
+from typing import Callable, List, NoReturn
 
 log = logging.getLogger("framework")
 
@@ -27,12 +27,13 @@ class RunlabError(Exception):
         """The one line the command line prints for it (and a notebook shows)."""
         return f"runlab: {self.label}: {self}"
 
-    def _render_traceback_(self) -> List[str]:
-        # IPython's hook: a notebook shows this line instead of a traceback through the framework.
-        # Raising falls back to IPython's traceback, as HYDRA_FULL_ERROR=1 asks.
+    @property
+    def _render_traceback_(self) -> Callable[[], List[str]]:
+        # IPython's hook, called where it exists: a notebook shows the one line instead of a
+        # traceback through the framework. HYDRA_FULL_ERROR=1 hides it, and IPython shows its traceback.
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise NotImplementedError
-        return [self.line]
+            raise AttributeError("_render_traceback_")
+        return lambda: [self.line]
 
 
 class ConfigError(RunlabError, ValueError):

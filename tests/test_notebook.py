@@ -169,3 +169,12 @@ def test_a_failed_command_becomes_the_error_it_printed():
     assert isinstance(interrupted, Interrupted) and interrupted.exit_code == 130
     assert interrupted.line == "runlab: interrupted: SIGINT at step 3 (epoch 1); saved last.pt."
     assert error_from_exit(-9, "").line == "runlab: interrupted: the command was ended by SIGKILL."
+
+
+def test_hydra_full_error_gives_a_notebook_the_traceback(monkeypatch):
+    from framework.errors import ConfigError
+
+    error = ConfigError("lr=-1.0 is invalid.")
+    assert error._render_traceback_() == ["runlab: error: lr=-1.0 is invalid."]
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    assert not hasattr(error, "_render_traceback_")  # IPython then shows its own traceback
