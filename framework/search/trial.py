@@ -1,11 +1,11 @@
 """The trainer's link to its sweep (``Trainer.end_epoch`` calls it every epoch).
 
-Outside a sweep it does nothing; under Hydra's basic sweeper it only knows the job's number and
-swept values (for TensorBoard). Under
-``hydra/sweeper=runlab`` the sweeper passes ``search.study_name/storage/trial``; the run then
-reports its validation metric each epoch to that trial, and stops when the study's pruner
-says the trial is hopeless. Each run opens the shared storage itself, so this works the
-same in the driver's process and on Ray workers.
+Outside a sweep it does nothing. Under ``hydra/sweeper=runlab`` the sweeper passes
+``search.study_name/storage/trial``; the run then reports its validation metric each epoch to
+that trial, and stops when the study's pruner says the trial is hopeless. Each run opens the
+shared storage itself, so this works the same in the driver's process and on Ray workers.
+Under Hydra's basic sweeper there is no study: the job only knows its number and swept values.
+Either way the trial's number and swept values name the run in TensorBoard.
 """
 from __future__ import annotations
 
