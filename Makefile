@@ -13,7 +13,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,wandb]"
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,wandb,notebook]"
 	@touch $(STAMP)
 
 run: install

@@ -1,9 +1,14 @@
 """runlab: a Hydra-configured PyTorch experiment framework.
 
-``main`` is what ``run.py`` calls; ``run`` composes the same config from Python or a
-notebook and returns the metrics; ``load_model`` rebuilds a trained model from a checkpoint.
+``main`` is what ``run.py`` calls; ``run`` trains with the same config from Python or a notebook
+and returns a ``RunResult`` (metrics, run dir, checkpoints); ``sweep`` runs a search preset and
+returns its trials table; ``load_model`` rebuilds a trained model from a checkpoint.
 """
 from framework.checkpoint import load_model
-from framework.entry import main, run
+from framework.entry import main, run, sweep
+from framework.logger import find_tensorboard_from_notebooks
+from framework.results import RunResult, SweepResult
 
-__all__ = ["main", "run", "load_model"]
+find_tensorboard_from_notebooks()
+
+__all__ = ["main", "run", "sweep", "load_model", "RunResult", "SweepResult"]

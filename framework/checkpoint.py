@@ -78,6 +78,12 @@ def save_checkpoint(state: Dict[str, Any], path: Path) -> None:
     atomic_write(Path(path), lambda tmp: torch.save({"format": FORMAT, "version": VERSION, **state}, tmp))
 
 
+def written_checkpoint(run_dir: Path, kind: str) -> Optional[Path]:
+    """A run dir's ``best`` or ``last`` checkpoint, if the run wrote it."""
+    path = Path(run_dir) / "checkpoints" / f"{kind}.pt"
+    return path if path.is_file() else None
+
+
 def resolve_checkpoint_path(path: str | Path) -> Path:
     """A checkpoint file, a run dir (its best checkpoint, else its last), or a folder of runs
     such as outputs/<name> (its most recently written run)."""
@@ -87,9 +93,9 @@ def resolve_checkpoint_path(path: str | Path) -> Path:
         if not (path / "checkpoints").is_dir():
             latest = find_latest_checkpoint(path, exclude=None)
             run_dir = latest.parent.parent if latest else path
-        for name in ("best.pt", "last.pt"):
-            if (run_dir / "checkpoints" / name).is_file():
-                return run_dir / "checkpoints" / name
+        found = written_checkpoint(run_dir, "best") or written_checkpoint(run_dir, "last")
+        if found:
+            return found
         raise CheckpointError(f"{path} is a directory without checkpoints/best.pt or checkpoints/last.pt, "
                               "and no run below it has one.")
     if not path.is_file():

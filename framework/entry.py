@@ -1,20 +1,30 @@
-"""Entry points: the Hydra app (``main``) and the Python/notebook call (``run``)."""
+"""Entry points: the Hydra app (``main``) and the Python/notebook calls (``run``, ``sweep``)."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 from datetime import datetime
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 from omegaconf import DictConfig
 
 from framework.config import validate
-from framework.errors import Interrupted, RunlabError, exit_with
+from framework.errors import ConfigError, Interrupted, RunlabError, error_from_exit, exit_with
 from framework.paths import create_run_dir
+from framework.results import RunResult, SweepResult
 
 log = logging.getLogger("framework")
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+REPO_DIR = Path(__file__).resolve().parent.parent
+CONF_DIR = REPO_DIR / "conf"
+RUN_SCRIPT = REPO_DIR / "run.py"
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's, as conf/hydra/default.yaml sets it
 
 
 def execute(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:
@@ -49,16 +59,32 @@ def compose(overrides: List[str]) -> DictConfig:
     """The same config ``python run.py OVERRIDES`` would build, without starting a Hydra app."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.errors import HydraException
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    except RunlabError:
+        raise
+    except HydraException as error:
+        raise ConfigError(composition_error(error)) from error
 
 
-def run(overrides: Optional[List[str]] = None, run_dir: Optional[str] = None) -> Dict[str, float]:
-    """Train from Python or a notebook: ``framework.run(["lr=1e-3"])`` returns the metrics dict.
+def composition_error(error: Exception) -> str:
+    """Hydra's message for a config it could not compose (what the command line prints), on one line."""
+    text = str(error).split("Config search path:")[0]  # where Hydra looked: the same for every run
+    if error.__cause__:
+        text += f" ({str(error.__cause__).splitlines()[0]})"
+    return " ".join(text.split())
 
-    The run writes to ``run_dir`` (default: outputs/<name>/<date>_<time>/) exactly what the
-    command line would, including train.log.
+
+def run(overrides: Optional[List[str]] = None, run_dir: Optional[str] = None) -> RunResult:
+    """Train from Python or a notebook: ``framework.run(["lr=1e-3"])`` trains with the config
+    ``python run.py lr=1e-3`` would build and returns a ``RunResult`` (metrics, run dir, checkpoints).
+
+    The run writes to ``run_dir`` (default: outputs/<name>/<date>_<time>/) exactly what the command
+    line would, including train.log, and prints the same per-epoch lines; a notebook also shows a
+    progress bar. A mistake raises the ``RunlabError`` whose ``line`` the command line prints.
     """
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
@@ -72,14 +98,62 @@ def run(overrides: Optional[List[str]] = None, run_dir: Optional[str] = None) ->
     OmegaConf.resolve(cfg)
     path = Path(run_dir)
     path.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path / "train.log")
-    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    with run_logging(path / "train.log"):
+        return RunResult.of(execute(cfg, path), path)
+
+
+@contextlib.contextmanager
+def run_logging(log_file: Path) -> Iterator[None]:
+    """The run's train.log, and on the console the lines the command line prints there, unless
+    something already prints the log (Hydra, pytest, the caller's own logging set-up)."""
     root = logging.getLogger()
-    root.addHandler(handler)
+    handlers: List[logging.Handler] = [logging.FileHandler(log_file)]
+    if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler) for h in root.handlers):
+        handlers.append(logging.StreamHandler(sys.stdout))  # a notebook shows stdout as the cell's output
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        root.addHandler(handler)
     if root.getEffectiveLevel() > logging.INFO:
         root.setLevel(logging.INFO)
     try:
-        return execute(cfg, path)
+        yield
     finally:
-        root.removeHandler(handler)
-        handler.close()
+        for handler in handlers:
+            root.removeHandler(handler)
+            handler.close()
+
+
+def sweep(overrides: List[str]) -> SweepResult:
+    """Run a search from Python or a notebook: ``framework.sweep(["search=random", "hydra.sweeper.n_trials=3"])``
+    runs ``python run.py search=random hydra.sweeper.n_trials=3`` in this directory, shows its output as
+    it comes, and returns the trials table (a ``SweepResult``, also holding the best trial's run dir).
+    A failed sweep raises the ``RunlabError`` whose ``line`` the command printed.
+    """
+    from framework.search.study import load_sweep_study
+
+    cfg = compose(list(overrides))
+    if not str(cfg.hydra.sweeper.get("_target_", "")).endswith("RunlabSweeper"):
+        raise ConfigError("framework.sweep runs the Optuna searches (search=random or search=tpe, or "
+                          "hydra/sweeper=runlab); run a grid with python run.py -m instead.")
+    sweep_dir = Path(cfg.hydra.sweep.dir)
+    run_command([sys.executable, str(RUN_SCRIPT), *overrides])
+    return SweepResult.of(load_sweep_study(sweep_dir, cfg.hydra.sweeper.study_name or ""), sweep_dir)
+
+
+def run_command(command: List[str]) -> None:
+    """Run a runlab command here, its output shown as it comes; its one error line is raised, not printed."""
+    with tempfile.TemporaryFile("w+") as stderr:
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"}) as process:
+            try:
+                for line in process.stdout:
+                    sys.stdout.write(line)
+            except BaseException:  # an interrupted notebook cell: stop the command as Ctrl-C would
+                process.send_signal(signal.SIGINT)
+                raise
+        stderr.seek(0)
+        lines = stderr.read().splitlines()
+    errors = [line for line in lines if line.startswith("runlab: ")]
+    sys.stderr.write("".join(f"{line}\n" for line in lines if line not in errors))
+    if process.returncode:
+        raise error_from_exit(process.returncode, errors[-1] if errors else "\n".join(lines[-20:]))

@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import sys
-from typing import NoReturn
+from typing import Callable, List, NoReturn
 
 log = logging.getLogger("framework")
 
@@ -21,6 +21,19 @@ class RunlabError(Exception):
 
     exit_code = 2
     label = "error"
+
+    @property
+    def line(self) -> str:
+        """The one line the command line prints for it (and a notebook shows)."""
+        return f"runlab: {self.label}: {self}"
+
+    @property
+    def _render_traceback_(self) -> Callable[[], List[str]]:
+        # IPython's hook, called where it exists: a notebook shows the one line instead of a
+        # traceback through the framework. HYDRA_FULL_ERROR=1 hides it, and IPython shows its traceback.
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise AttributeError("_render_traceback_")
+        return lambda: [self.line]
 
 
 class ConfigError(RunlabError, ValueError):
@@ -80,7 +93,19 @@ def exit_with(error: RunlabError) -> NoReturn:
     """End the process on ``error``: one line on stderr (and in train.log), its exit code, no traceback."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise error
-    line = f"runlab: {error.label}: {error}"
-    log_to_files(line)
-    print(line, file=sys.stderr, flush=True)
+    log_to_files(error.line)
+    print(error.line, file=sys.stderr, flush=True)
     raise SystemExit(error.exit_code) from None
+
+
+def error_from_exit(exit_code: int, line: str) -> RunlabError:
+    """The error a runlab command ended on, from its exit code (negative: the signal that killed it)
+    and the ``runlab: LABEL: ...`` line it printed (or what it printed last)."""
+    message = line.split(": ", 2)[-1] if line.startswith("runlab: ") else line
+    signum = exit_code - 128 if exit_code > 128 else -exit_code
+    if signum in signal.valid_signals():
+        return Interrupted(signum, message or f"the command was ended by {signal_name(signum)}.")
+    kind = {2: ConfigError, 3: DivergedError, 4: ResourceError, 5: SweepError}.get(exit_code, RunlabError)
+    error = kind(message)
+    error.exit_code = exit_code
+    return error

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import csv
 import logging
+import os
+import re
+import sys
 from pathlib import Path
 from typing import Mapping
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
+
+from framework.search.trial import NoTrial
 
 log = logging.getLogger(__name__)
 
@@ -45,41 +50,97 @@ GLYPHS = {
     "8": "111101111101111", "9": "111101111001111", "/": "001001010100100",
 }
 RIGHT, WRONG = torch.tensor([0.2, 0.9, 0.2]), torch.tensor([1.0, 0.2, 0.2])
+CELL = 64  # pixels per sample: an 8x8 digit drawn at 8x
+# The font drawn at 3x (9x15 pixels): TensorBoard shows the grid at its own size, where 3x5 is unreadable.
+FONT_SCALE = 3
 
 
 def caption(text: str, color: torch.Tensor, width: int) -> torch.Tensor:
-    """An RGB strip 7 pixels high with ``text`` drawn in the 3x5 font."""
-    strip = torch.zeros(3, 7, width)
-    for i, char in enumerate(text[: (width - 1) // 4]):
+    """An RGB strip ``width`` pixels wide with ``text`` drawn in the 3x5 font at FONT_SCALE."""
+    columns = width // FONT_SCALE
+    strip = torch.zeros(3, 7, columns)
+    for i, char in enumerate(text[: (columns - 1) // 4]):
         glyph = torch.tensor([int(b) for b in GLYPHS[char]], dtype=torch.float32).view(5, 3)
         strip[:, 1:6, 1 + 4 * i:4 + 4 * i] = glyph * color.view(3, 1, 1)
-    return strip
+    strip = strip.repeat_interleave(FONT_SCALE, dim=1).repeat_interleave(FONT_SCALE, dim=2)
+    return F.pad(strip, (0, width - strip.shape[2]))
 
 
-def prediction_grid(images: torch.Tensor, labels: torch.Tensor, predictions: torch.Tensor, columns: int = 8) -> torch.Tensor:
+def prediction_grid(images: torch.Tensor, labels: torch.Tensor, predictions: torch.Tensor, columns: int = 4) -> torch.Tensor:
     """Sample inputs captioned 'pred/true', green when right and red when wrong, as one CHW image."""
     cells = []
     for image, label, prediction in zip(images[:16].float().cpu(), labels[:16], predictions[:16]):
-        gray = F.interpolate(image.mean(0)[None, None], size=(32, 32), mode="nearest")[0]
+        gray = F.interpolate(image.mean(0)[None, None], size=(CELL, CELL), mode="nearest")[0]
         gray = (gray - gray.min()) / (gray.max() - gray.min()).clamp_min(1e-8)
         color = RIGHT if int(prediction) == int(label) else WRONG
-        cells.append(torch.cat([gray.expand(3, -1, -1), caption(f"{int(prediction)}/{int(label)}", color, 32)], dim=1))
+        cells.append(torch.cat([gray.expand(3, -1, -1), caption(f"{int(prediction)}/{int(label)}", color, CELL)], dim=1))
     while len(cells) % columns and len(cells) > columns:
         cells.append(torch.zeros_like(cells[0]))
     rows = [torch.cat([F.pad(c, (1, 1, 1, 1)) for c in cells[i:i + columns]], dim=2) for i in range(0, len(cells), columns)]
     return torch.cat(rows, dim=1)
 
 
+# TensorBoard lists tag groups (the text before the first "/") alphabetically and opens on the
+# first: the curves to look at first share the group "overview", which sorts before every other
+# group written here (predictions, test, train, troubleshoot, weights). Within it, cards sort by
+# tag too: train and val loss first, side by side, then the monitored metric and lr, then memory
+# and throughput. Other tags keep the metric's name.
+TAGS = {"train/loss": "overview/loss/train", "val/loss": "overview/loss/val", "val/acc": "overview/metric/val/acc",
+        "lr": "overview/optimizer/lr", "memory/peak_mb": "overview/system/memory_peak_mb",
+        "train/samples_per_second": "overview/system/samples_per_second", "epoch": "train/epoch"}
+
+
+def tag(metric: str) -> str:
+    """A metric's TensorBoard tag."""
+    return TAGS.get(metric, metric)
+
+
+def overview_layout(monitor: str) -> Dict[str, Dict[str, list]]:
+    """The CUSTOM SCALARS tab: train and val loss in one chart, then the monitored metric, lr,
+    throughput and memory (each chart one line per run)."""
+    return {"overview": {
+        "loss (train, val)": ["Multiline", [f"^{tag('train/loss')}$", f"^{tag('val/loss')}$"]],
+        f"{monitor} (checkpoint.monitor)": ["Multiline", [f"^{re.escape(tag(monitor))}$"]],
+        "learning rate": ["Multiline", [f"^{tag('lr')}$"]],
+        "throughput (samples/s)": ["Multiline", [f"^{tag('train/samples_per_second')}$"]],
+        "peak memory (MB)": ["Multiline", [f"^{tag('memory/peak_mb')}$"]],
+    }}
+
+
+def run_name(name: str, run_dir: Path, trial: NoTrial) -> str:
+    """The run's name in TensorBoard: the config's name and the run dir's (its start time), or for
+    a trial of a sweep its number and swept values. It names the folder under tensorboard/ that
+    holds the events (TensorBoard's run list shows the path to it) and the run's row in HPARAMS."""
+    if trial.number is None:
+        label = f"{name} {run_dir.name}"
+    else:
+        swept = (f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}"
+                 for key, value in sorted(trial.hparams().items()))
+        label = " ".join([f"trial {trial.number}", *swept])
+    return label.replace(os.sep, "_")[:200]  # one folder, within file systems' 255-byte names
+
+
+def find_tensorboard_from_notebooks() -> None:
+    """Point %tensorboard at this environment's tensorboard.
+
+    The notebook magic starts ``$TENSORBOARD_BINARY``, else the ``tensorboard`` on PATH: a kernel
+    started from a virtual environment that was never activated has no .venv/bin there."""
+    binary = Path(sys.executable).with_name("tensorboard")
+    if binary.is_file():
+        os.environ.setdefault("TENSORBOARD_BINARY", str(binary))
+
+
 class TensorBoardLogger(Logger):
-    def __init__(self, cfg: DictConfig, log_dir: Path):
+    def __init__(self, cfg: DictConfig, run_dir: Path, name: str, monitor: str):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.cfg = cfg
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.cfg, self.name = cfg, name
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard" / name))
+        self.writer.add_custom_scalars(overview_layout(monitor))
 
     def log_metrics(self, metrics: Scalars, step: int) -> None:
         for name, value in metrics.items():
-            self.writer.add_scalar(name, value, step)
+            self.writer.add_scalar(tag(name), value, step)
 
     def log_graph(self, model: nn.Module, example: torch.Tensor) -> None:
         if not self.cfg.log_graph:
@@ -93,25 +154,26 @@ class TensorBoardLogger(Logger):
         every = self.cfg.histogram_every_n_epochs
         if not every or epoch % every:
             return
+        # Gradients beside their weights, in the group "weights" that sorts after "overview".
         for name, parameter in model.named_parameters():
             self.writer.add_histogram(f"weights/{name}", parameter.detach(), epoch)
             if parameter.grad is not None:
-                self.writer.add_histogram(f"grads/{name}", parameter.grad, epoch)
+                self.writer.add_histogram(f"weights/{name}/grad", parameter.grad, epoch)
 
     def log_predictions(self, images, labels, predictions, epoch: int) -> None:
         if self.cfg.log_images:
             self.writer.add_image("predictions/pred_true", prediction_grid(images, labels, predictions), epoch)
 
     def log_hparams(self, hparams: Scalars, metrics: Scalars) -> None:
-        # Written into this run's own event file (SummaryWriter.add_hparams would open a
-        # sub-run), so each run of a sweep is one row in TensorBoard's HPARAMS tab.
-        from torch.utils.tensorboard.summary import hparams as hparams_summary
+        # Only the session goes in (its hparams, its row named by the run's name), into this run's
+        # own event file: SummaryWriter.add_hparams would open a sub-run and copy the metrics into
+        # single-point charts. With no experiment summary either, TensorBoard builds the HPARAMS
+        # table from all the runs it reads: it shows first the hparams whose values differ (a
+        # sweep's swept ones), and its metrics are the last values of the curves above.
+        from tensorboard.plugins.hparams.summary_v2 import hparams_pb
 
-        experiment, start, end = hparams_summary(dict(hparams), {f"hparam/{k}": v for k, v in metrics.items()})
-        for summary in (experiment, start, end):
-            self.writer.file_writer.add_summary(summary)
-        for name, value in metrics.items():
-            self.writer.add_scalar(f"hparam/{name}", value)
+        values = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in hparams.items()}
+        self.writer.file_writer.add_summary(hparams_pb(values, trial_id=self.name))
 
     def close(self) -> None:
         self.writer.close()
@@ -154,11 +216,13 @@ class WandbLogger(Logger):
         self.run.finish()
 
 
-def build_logger(cfg: DictConfig, run_dir: Path, is_main: bool, config: dict) -> Logger:
-    if not is_main or cfg.name == "none":
+def build_logger(cfg: DictConfig, run_dir: Path, is_main: bool, name: str) -> Logger:
+    """The logger ``cfg.logger`` names, for the run called ``name`` (see ``run_name``)."""
+    options = cfg.logger
+    if not is_main or options.name == "none":
         return Logger()
-    if cfg.name == "tensorboard":
-        return TensorBoardLogger(cfg, run_dir / "tensorboard")
-    if cfg.name == "csv":
+    if options.name == "tensorboard":
+        return TensorBoardLogger(options, run_dir, name, cfg.checkpoint.monitor)
+    if options.name == "csv":
         return CSVLogger(run_dir / "metrics.csv")
-    return WandbLogger(cfg, run_dir, config)
+    return WandbLogger(options, run_dir, OmegaConf.to_container(cfg, resolve=True))

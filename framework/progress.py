@@ -1,4 +1,5 @@
-"""The rank-0 progress bar: loss, validation metric and throughput, off when not a terminal."""
+"""The rank-0 progress bar: loss, validation metric and throughput; a widget in a notebook, off
+when stderr is not a terminal."""
 from __future__ import annotations
 
 import sys
@@ -9,7 +10,7 @@ from tqdm.auto import tqdm
 
 class ProgressBar:
     def __init__(self, total_steps: int, enabled: bool, initial: int = 0):
-        # tqdm's disable=None turns the bar off when stderr is not a terminal (CI, log files).
+        # disable=None: off when stderr is not a terminal (CI, log files); tqdm.auto draws a widget in a notebook.
         self.bar = tqdm(total=total_steps, initial=initial, disable=None if enabled else True,
                         unit="step", dynamic_ncols=True, file=sys.stderr, leave=False)
 
@@ -20,5 +21,7 @@ class ProgressBar:
         if not self.bar.disable:
             self.bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()}, refresh=False)
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
+        if finished:  # an early stop is a normal end: a notebook's bar would turn red short of its total
+            self.bar.total = self.bar.n
         self.bar.close()

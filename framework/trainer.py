@@ -21,7 +21,7 @@ from framework.checkpoint import Checkpointer, EarlyStopping, TRAINING_STATE, lo
 from framework.data import build_data, eval_batches, train_batches
 from framework.errors import ConfigError, Interrupted, signal_name
 from framework.finetune import Finetuner
-from framework.logger import build_logger
+from framework.logger import build_logger, run_name
 from framework.model import build_model, count_parameters
 from framework.nonfinite import NonFiniteGuard
 from framework.optimizer import build_optimizer, configured_groups, keep_configured, restart_lr
@@ -114,10 +114,10 @@ class Trainer:
                                          cfg.checkpoint.enabled, env.is_main)
         self.early_stopping = EarlyStopping(**cfg.early_stopping)
         self.nonfinite = NonFiniteGuard(cfg.trainer.on_nonfinite, str(cfg.trainer.precision), self.finite_state_kept)
-        self.logger = build_logger(cfg.logger, self.run_dir, env.is_main, OmegaConf.to_container(cfg, resolve=True))
+        self.trial = sweep_trial(cfg, self.run_dir, env.is_main)
+        self.logger = build_logger(cfg, self.run_dir, env.is_main, run_name(cfg.name, self.run_dir, self.trial))
         self.oom = OOMRecovery(cfg.troubleshoot, env, self.model, self.optimizer, self.spec, self.data.input_shape)
         self.memory = MemoryTracker(env.device, cfg.troubleshoot.memory_growth_epochs)
-        self.trial = sweep_trial(cfg, self.run_dir, env.is_main)
         self.epoch, self.step, self.batch_in_epoch = 0, 0, 0
         self.metrics: Dict[str, float] = {}  # the last epoch's
         self.stop_reason = ""
@@ -223,6 +223,7 @@ class Trainer:
             with self.stop.deferred():
                 while self.epoch < self.cfg.trainer.max_epochs and not self.stop_reason:
                     self.end_epoch(self.train_epoch(progress), progress)
+            progress.close(finished=True)
         finally:
             progress.close()
         train_seconds = time.perf_counter() - started
@@ -393,7 +394,9 @@ class Trainer:
         final = {**self.metrics, "step": self.step, f"best/{monitor}": self.checkpointer.tracker.best,
                  "train_seconds": train_seconds,
                  "samples_per_second": steps_run * self.cfg.batch_size / train_seconds if train_seconds else 0.0}
-        final.update(self.test_best())
+        test = self.test_best()
+        self.logger.log_metrics(test, self.step)
+        final.update(test)
         final.update(self.oom.summary(self.micro_batch, self.eval_batch_size), **self.memory.summary(),
                      **self.nonfinite.summary())
         self.log_sample_predictions()

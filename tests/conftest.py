@@ -39,8 +39,8 @@ def train(tmp_path):
     def _train(*overrides: str, shrink: bool = True) -> Tuple[Dict[str, float], Path]:
         run_dir = tmp_path / f"run{next(counter)}"
         base = SHRINK if shrink else []
-        metrics = run([*base, f"paths.output_dir={tmp_path / 'outputs'}", *overrides], run_dir=str(run_dir))
-        return metrics, run_dir
+        result = run([*base, f"paths.output_dir={tmp_path / 'outputs'}", *overrides], run_dir=str(run_dir))
+        return result.metrics, result.run_dir
 
     return _train
 

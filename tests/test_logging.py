@@ -1,31 +1,93 @@
 import csv
+import re
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import plugin_data_pb2
+from tensorboard.util import tensor_util
+
+# The group TensorBoard opens on, in the order it shows the cards.
+OVERVIEW = ["overview/loss/train", "overview/loss/val", "overview/metric/val/acc", "overview/optimizer/lr",
+            "overview/system/memory_peak_mb", "overview/system/samples_per_second"]
+
+
+def event_dir(run_dir):
+    """The folder under tensorboard/ that holds the run's events; its name is the run's name in TensorBoard."""
+    [folder] = (run_dir / "tensorboard").iterdir()
+    return folder
 
 
 def read_events(run_dir):
-    accumulator = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0, "images": 0})
+    accumulator = EventAccumulator(str(event_dir(run_dir)),
+                                   size_guidance={"scalars": 0, "histograms": 0, "images": 0, "tensors": 0})
     accumulator.Reload()
     return accumulator
+
+
+def session_start(events):
+    content = events.PluginTagToContent("hparams")
+    # No experiment summary: TensorBoard builds the HPARAMS table from all the runs it reads.
+    assert set(content) == {"_hparams_/session_start_info"}
+    return plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
 
 
 def test_tensorboard_holds_scalars_histograms_images_graph_and_hparams(train):
     metrics, run_dir = train("model=cnn", "model.channels=[4,8]", "logger.histogram_every_n_epochs=1", "lr=3e-3")
     events = read_events(run_dir)
     tags = events.Tags()
-    assert {"train/loss", "train/loss_running", "val/loss", "val/acc", "lr", "train/samples_per_second"} <= set(tags["scalars"])
-    assert [e.value for e in events.Scalars("val/acc")][-1] == pytest.approx(metrics["val/acc"])
-    assert any(t.startswith("weights/") for t in tags["histograms"]) and any(t.startswith("grads/") for t in tags["histograms"])
-    assert len(events.Histograms("weights/head.weight")) == 3
+    assert set(OVERVIEW) <= set(tags["scalars"]) and "train/loss_running" in tags["scalars"]
+    assert [e.value for e in events.Scalars("overview/metric/val/acc")][-1] == pytest.approx(metrics["val/acc"])
+    assert events.Scalars("test/acc")[-1].value == pytest.approx(metrics["test/acc"])
+    assert len(events.Histograms("weights/head.weight")) == 3 and len(events.Histograms("weights/head.weight/grad")) == 3
     assert tags["images"] == ["predictions/pred_true"]
     assert tags["graph"]
-    content = events.PluginTagToContent("hparams")
-    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
+    start = session_start(events)
     assert start.hparams["lr"].number_value == pytest.approx(3e-3)
     assert start.hparams["model"].string_value == "CNN"
-    assert events.Scalars("hparam/val/acc")[0].value == pytest.approx(metrics["val/acc"])
+
+
+def test_tensorboard_opens_on_the_overview_and_keeps_hparams_out_of_the_charts(train):
+    metrics, run_dir = train()
+    events = read_events(run_dir)
+    tags = events.Tags()
+    every = tags["scalars"] + tags["histograms"] + tags["images"]
+    # TensorBoard lists groups (the text before the first "/") alphabetically and opens on the first;
+    # in a group it orders cards by tag: train and val loss side by side first.
+    assert min(tag.split("/")[0] for tag in every) == "overview"
+    assert sorted(tag for tag in every if tag.startswith("overview/")) == OVERVIEW
+    # Every chart is a curve but the test split's, scored once; the hparams metrics are the curves' last values.
+    assert sorted(tag for tag in tags["scalars"] if len(events.Scalars(tag)) == 1) == ["test/acc", "test/loss"]
+    assert not any(tag.startswith("hparam") for tag in every)
+    # CUSTOM SCALARS: train and val loss in one chart, then the monitored metric, lr, throughput and memory.
+    [config] = events.Tensors("custom_scalars__config__")
+    [category] = layout_pb2.Layout.FromString(tensor_util.make_ndarray(config.tensor_proto).item()).category
+    charts = {chart.title: list(chart.multiline.tag) for chart in category.chart}
+    assert category.title == "overview"
+    assert list(charts) == ["loss (train, val)", "val/acc (checkpoint.monitor)", "learning rate", "throughput (samples/s)",
+                            "peak memory (MB)"]
+    assert charts["loss (train, val)"] == ["^overview/loss/train$", "^overview/loss/val$"]
+    for patterns in charts.values():
+        assert all(any(re.match(pattern, tag) for tag in tags["scalars"]) for pattern in patterns), patterns
+    # The run is named by its name and run dir (by default its start time), as a folder and as an HPARAMS row.
+    assert event_dir(run_dir).name == session_start(events).group_name == f"train {run_dir.name}"
+
+
+def test_the_prediction_grid_is_large_enough_to_read(train):
+    _, run_dir = train()
+    [grid] = read_events(run_dir).Images("predictions/pred_true")
+    # 16 samples in 4 columns of 64-pixel cells under 21-pixel captions (the 3x5 font drawn at 3x), 1-pixel borders.
+    assert (grid.width, grid.height) == (4 * 66, 4 * 87)
+
+
+@pytest.mark.timeout(240)
+def test_a_grid_sweep_names_each_job_by_number_and_swept_values(cli, user):
+    result = cli("-m", "lr=1e-3,3e-3", "trainer.max_epochs=1", "trainer.progress_bar=false", "model.width=32")
+    assert result.returncode == 0, result.stderr[-2000:]
+    [sweep_dir] = (user.outputs / "train" / "multirun").iterdir()
+    for number, lr in ((0, "0.001"), (1, "0.003")):
+        events = read_events(sweep_dir / str(number))
+        assert event_dir(sweep_dir / str(number)).name == session_start(events).group_name == f"trial {number} lr={lr}"
 
 
 def test_tabular_data_logs_no_image_grid(train):

@@ -89,6 +89,7 @@ def test_tpe_sweep_report_and_best_experiment_reproduces_the_best_value(cli, use
 
 
 def assert_every_trial_in_hparams_tab(directory: Path, rows) -> None:
+    """One HPARAMS row per trial, named by its number and swept values, and no single-point hparam charts."""
     from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
     from tensorboard.plugins.hparams import plugin_data_pb2
 
@@ -97,14 +98,18 @@ def assert_every_trial_in_hparams_tab(directory: Path, rows) -> None:
     multiplexer.Reload()
     sessions = {}
     for run, tags in multiplexer.PluginRunToTagToContent("hparams").items():
-        for content in tags.values():
-            data = plugin_data_pb2.HParamsPluginData.FromString(content)
-            if data.HasField("session_start_info"):
-                sessions[run] = data.session_start_info.hparams
+        assert set(tags) == {"_hparams_/session_start_info"}  # no experiment summary, no copied metrics
+        start = plugin_data_pb2.HParamsPluginData.FromString(tags["_hparams_/session_start_info"]).session_start_info
+        assert run.endswith(f"/tensorboard/{start.group_name}")
+        sessions[start.group_name] = start.hparams
     assert len(sessions) == len(rows)
     for row in rows:
-        hparams = sessions[f"{row['number']}/tensorboard"]
+        params = sorted(set(row) - {"number", "state", "value", "seconds", "error"})  # the report's param columns
+        swept = " ".join(f"{name}={float(row[name]):.3g}" for name in params)
+        hparams = sessions[f"trial {row['number']} {swept}"]
         assert hparams["optimizer.weight_decay"].number_value == pytest.approx(float(row["optimizer.weight_decay"]))
+    scalars = [tag for tags in multiplexer.Runs().values() for tag in tags["scalars"]]
+    assert scalars and not any(tag.startswith("hparam") for tag in scalars)
 
 
 FAULTS = ["model._target_=faulty_model.FaultyMLP", "+model.trial=${search.trial}", "+model.faults={1:raise,2:nan_loss,3:oom}",

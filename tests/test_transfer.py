@@ -30,7 +30,8 @@ def pretrained(tmp_path_factory):
     root = tmp_path_factory.mktemp("pretrained")
     overrides = [*SHRINK, f"paths.output_dir={root / 'outputs'}", "model=cnn", "model.batch_norm=true", LOW_DIGITS,
                  "trainer.max_epochs=2", *QUIET]
-    return run(overrides, run_dir=str(root / "run")), root / "run"
+    result = run(overrides, run_dir=str(root / "run"))
+    return result.metrics, result.run_dir
 
 
 def test_frozen_weights_stay_bit_identical_while_the_new_head_trains(train, pretrained):

@@ -39,15 +39,24 @@ def trial_rows(study) -> List[Dict[str, object]]:
     return rows
 
 
+def best_trial(study):
+    """The best complete trial, or None when no trial completed."""
+    from optuna.trial import TrialState
+
+    if not any(t.state == TrialState.COMPLETE for t in study.trials):
+        return None
+    return study.best_trial
+
+
+def cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
 def format_table(rows: List[Dict[str, object]]) -> str:
     if not rows:
         return "(no trials)"
-
-    def cell(value) -> str:
-        if isinstance(value, float):
-            return f"{value:.4g}"
-        return "" if value is None else str(value)
-
     columns = list(rows[0])
     cells = [[cell(row[c]) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]

@@ -1,25 +1,28 @@
 """The trainer's link to its sweep (``Trainer.end_epoch`` calls it every epoch).
 
-Outside a sweep, or under Hydra's basic sweeper, it does nothing. Under
-``hydra/sweeper=runlab`` the sweeper passes ``search.study_name/storage/trial``; the run then
-reports its validation metric each epoch to that trial, and stops when the study's pruner
-says the trial is hopeless. Each run opens the shared storage itself, so this works the
-same in the driver's process and on Ray workers.
+Outside a sweep it does nothing. Under ``hydra/sweeper=runlab`` the sweeper passes
+``search.study_name/storage/trial``; the run then reports its validation metric each epoch to
+that trial, and stops when the study's pruner says the trial is hopeless. Each run opens the
+shared storage itself, so this works the same in the driver's process and on Ray workers.
+Under Hydra's basic sweeper there is no study: the job only knows its number and swept values.
+Either way the trial's number and swept values name the run in TensorBoard.
 """
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 
 
 class NoTrial:
     """Not a trial of a runlab sweep: reports nothing and never stops the run."""
+
+    number: Optional[int] = None  # the trial's (or job's) number in its sweep
 
     def report(self, metrics: Mapping[str, float], epoch: int) -> str:
         return ""
@@ -38,6 +41,7 @@ class SweepTrial(NoTrial):
         study.pruner = instantiate(pruner_cfg) if pruner_cfg else optuna.pruners.NopPruner()
         trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, search.trial)
         self.trial = optuna.trial.Trial(study, trial_id)
+        self.number = search.trial
         self.pruner_name = type(study.pruner).__name__
         # best/<m> is not known per epoch; its per-epoch value is <m>.
         self.metric = optimized_metric.removeprefix("best/")
@@ -58,11 +62,44 @@ class SweepTrial(NoTrial):
         return dict(self.trial.params)
 
 
+class HydraSweepJob(NoTrial):
+    """A job of Hydra's basic sweeper (``python run.py -m lr=1e-3,1e-4``, ``search=grid``): no study
+    to report to, but a number and the values it was given for the keys the sweep varies."""
+
+    def __init__(self, number: int, swept: Dict[str, Any]):
+        self.number, self.swept = number, swept
+
+    def hparams(self) -> Dict[str, Any]:
+        return dict(self.swept)
+
+
+def hydra_sweep_job(run_dir: Path) -> Optional[HydraSweepJob]:
+    """The basic-sweeper job that runs in ``run_dir``, read from what Hydra wrote: the job's own
+    overrides in .hydra/hydra.yaml, and the sweep as typed in the sweep dir's multirun.yaml."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    job_file = run_dir / ".hydra" / "hydra.yaml"
+    sweep_file = next((d / "multirun.yaml" for d in run_dir.parents if (d / "multirun.yaml").is_file()), None)
+    if not job_file.is_file() or sweep_file is None:
+        return None
+    job, sweep = OmegaConf.load(job_file).hydra, OmegaConf.load(sweep_file).hydra
+    if job.mode != "MULTIRUN":
+        return None
+    parser = OverridesParser.create()
+    params = OmegaConf.to_container(sweep.sweeper, resolve=False).get("params") or {}
+    typed = parser.parse_overrides([*sweep.overrides.task, *(f"{key}={value}" for key, value in params.items())])
+    varied = {override.key_or_group for override in typed if override.is_sweep_override()}
+    given = parser.parse_overrides(list(job.overrides.task))
+    return HydraSweepJob(job.job.num, {o.key_or_group: o.value() for o in given if o.key_or_group in varied})
+
+
 def sweep_trial(cfg: DictConfig, run_dir: Path, is_main: bool) -> NoTrial:
     if cfg.search.num_threads:
         torch.set_num_threads(cfg.search.num_threads)
         log.info("torch runs on %d threads (search.num_threads).", cfg.search.num_threads)
-    # Only rank 0 talks to the study; a multi-process trial is not pruned.
-    if cfg.search.trial < 0 or not is_main:
+    # Only rank 0 talks to the study (a multi-process trial is not pruned) and logs.
+    if not is_main:
         return NoTrial()
+    if cfg.search.trial < 0:
+        return hydra_sweep_job(run_dir) or NoTrial()
     return SweepTrial(cfg.search, cfg.optimized_metric, run_dir)
