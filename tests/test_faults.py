@@ -79,6 +79,11 @@ def test_a_diverging_run_stops_at_the_step_and_keeps_the_last_finite_checkpoints
                          f"(epoch {last['epoch']}); resume=auto with a lower lr continues from it.")
 
 
+def test_a_diverging_ddp_run_stops_every_rank_with_one_line(cli, user):
+    line = one_line_error(cli("parallel=ddp", "lr=1e6", *QUICK), exit_code=3)
+    assert "training diverged at step 3 (epoch 1)" in line and line.endswith("No checkpoint was written before it.")
+
+
 def test_skip_drops_the_non_finite_steps_and_counts_them(cli, user):
     result = cli(FAULTY, "+model.nan_at_steps=[3,7]", "trainer.on_nonfinite=skip", "trainer.max_epochs=1", *QUICK,
                  env=aids_on_path(user))

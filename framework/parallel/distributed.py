@@ -51,15 +51,15 @@ LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 class DistributedEnvironment(Environment):
     sync_batchnorm: bool = False
     # Off when OOM recovery is on: its agreed all-reduce averages the buffers itself, and DDP's
-    # broadcast schedule would desynchronise after a forward that ran out of memory (troubleshoot/oom.py).
-    broadcast_buffers: bool = True
+    # per-forward broadcast would desynchronise after a forward that ran out of memory (troubleshoot/oom.py).
+    forward_sync_buffers: bool = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model.to(self.device), device_ids=device_ids,
-                                       broadcast_buffers=self.broadcast_buffers)
+                                       forward_sync_buffers=self.forward_sync_buffers)
 
     def no_sync(self, model: nn.Module):
         return model.no_sync()
@@ -132,7 +132,7 @@ def join_group(cfg: DictConfig, rank: int, world_size: int, local_rank: int) -> 
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.parallel.timeout_s))
     return DistributedEnvironment(device=device, rank=rank, world_size=world_size,
                                   sync_batchnorm=cfg.parallel.sync_batchnorm,
-                                  broadcast_buffers=not cfg.troubleshoot.oom_recovery)
+                                  forward_sync_buffers=not cfg.troubleshoot.oom_recovery)
 
 
 def log_as_rank(rank: int, log_file: Path) -> None:
@@ -191,6 +191,8 @@ def spawn_workers(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
     context = mp.get_context("spawn")
     reports = context.SimpleQueue()
     log.info("parallel=ddp: starting %d processes on 127.0.0.1:%d.", world_size, port)
+    # When one worker fails, torch ends the others and says so; the failure's own message is what counts.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     workers = mp.start_processes(_worker, args=(world_size, port, config, str(run_dir), task, reports, os.getpid()),
                                  nprocs=world_size, join=False, start_method="spawn")
     try:

@@ -79,7 +79,7 @@ class AgreedSync:
     backward, plus one tiny flag all-reduce per further micro-batch.
 
     The same all-reduce averages the floating-point buffers (batch-norm running statistics).
-    DDP's own buffer broadcast must be off (``broadcast_buffers=False``): DDP decides whether
+    DDP's own buffer broadcast must be off (``forward_sync_buffers=False``): DDP decides whether
     the next forward broadcasts in the previous forward's epilogue, which a forward that ran
     out of memory never reaches, so the ranks would disagree on the next broadcast.
     """
