@@ -287,6 +287,10 @@ def _validate_device(device: str) -> None:
 
 
 def _validate_model(model: DictConfig) -> None:
+    from framework.model import EXTRA_BUILDERS, import_extra
+
+    if model._target_ in EXTRA_BUILDERS:
+        import_extra(EXTRA_BUILDERS[model._target_])
     if not model._target_.startswith("framework.model."):
         return  # a user's model checks its own arguments
     for key in MODEL_SIZES:

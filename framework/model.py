@@ -17,11 +17,12 @@ from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from framework.errors import ConfigError
+from framework.errors import ConfigError, RunlabError
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,12 @@ def model_spec(model_cfg: DictConfig, input_shape: Tuple[int, ...], num_classes:
 
 
 def build_model(spec: Dict[str, Any]) -> nn.Module:
-    model = instantiate(spec, _convert_="all")
+    try:
+        model = instantiate(spec, _convert_="all")
+    except InstantiationException as error:  # hydra wraps what the constructor raised; the user's error is that one
+        if isinstance(error.__cause__, RunlabError):
+            raise error.__cause__ from None
+        raise
     if not isinstance(model, nn.Module):
         raise TypeError(f"model._target_={spec['_target_']!r} built a {type(model).__name__}, not a torch.nn.Module.")
     return model

@@ -45,18 +45,18 @@ def write_digit_pngs(root: Path, digits, per_class: int, size: int = 32, splits=
 
 def test_an_image_folder_trains_then_eval_and_export_report_its_labels(user, tmp_path):
     root = write_digit_pngs(tmp_path / "images", (0, 1, 7), per_class=20, splits=("train", "val", "test"))
-    transforms = "data.transforms.resize=12 data.transforms.crop=10 data.transforms.flip=true 'data.transforms.mean=[0.5,0.5,0.5]' 'data.transforms.std=[0.5,0.5,0.5]'"
+    transforms = "data.transforms.resize=12 data.transforms.crop=10 'data.transforms.mean=[0.5,0.5,0.5]' 'data.transforms.std=[0.5,0.5,0.5]'"
     trained = user.run(f"python run.py data=imagefolder data.root={root} {transforms} model=cnn lr=3e-3 batch_size=20 "
-                       f"trainer.max_epochs=4 {QUIET}")
+                       f"trainer.max_epochs=15 {QUIET}")
     assert trained.returncode == 0, trained.stderr[-3000:]
     run_dir = user.runs("train")[-1]
-    assert "60 train / 60 val samples" in trained.stderr
+    assert "60 train / 60 val samples" in trained.stdout
     assert load_checkpoint(run_dir / "checkpoints" / "best.pt")["classes"] == ["one", "seven", "zero"]
     assert read_metrics(run_dir)["test/acc"] >= 0.8
 
     scored = user.run("python run.py task=eval ckpt=outputs/train")  # the test split, by default
     assert scored.returncode == 0, scored.stderr[-3000:]
-    assert "on 60 test samples" in scored.stderr and "test/acc by label: one " in scored.stderr
+    assert "on 60 test samples" in scored.stdout and "test/acc by label: one " in scored.stdout
     assert set(read_metrics(user.runs("eval")[-1])) >= {"test/acc", "test/acc/zero", "test/acc/one", "test/acc/seven"}
 
     exported = user.run("python run.py task=export ckpt=outputs/train")
@@ -70,7 +70,7 @@ def test_an_image_folder_trains_then_eval_and_export_report_its_labels(user, tmp
               for f in sorted((root / "test" / "seven").iterdir())]
     x = (torch.from_numpy(np.stack(sevens) / 255).permute(0, 3, 1, 2) - 0.5) / 0.5
     predicted = [labels[i] for i in torch.export.load(artifact / "model.pt2").module()(x).argmax(1).tolist()]
-    assert predicted.count("seven") >= 15, predicted
+    assert predicted.count("seven") == round(read_metrics(user.runs("eval")[-1])["test/acc/seven"] * 20), predicted
     assert load_artifact(artifact).classes == labels
 
 
@@ -84,9 +84,9 @@ def test_a_plain_state_dict_finetunes_with_its_head_found_and_its_layers_frozen_
     done = user.run(f"python run.py model._target_=usermodels.TorchvisionStyleNet finetune.from={tmp_path / 'backbone.pth'} 'finetune.freeze=[layer1.*]' "
                     f"'data.classes=[5,6,7,8,9]' trainer.max_epochs=2 {QUIET}", env=aids_on_path(user))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "Head 'fc' re-initialised: the number of classes changed" in done.stderr
+    assert "Head 'fc' re-initialised: the number of classes changed" in done.stdout
     assert "matched 12 tensors; re-initialised 2 (head 2, missing 0, shape-mismatched 0); ignored 2 from the file " \
-           "(fc.weight, fc.bias)" in done.stderr
+           "(fc.weight, fc.bias)" in done.stdout
     after = load_checkpoint(user.runs("train")[-1] / "checkpoints" / "last.pt")["model"]
     before = other.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("layer1."))  # BatchNorm statistics too
@@ -113,8 +113,8 @@ def test_torchvision_resnet18_pretrains_on_images_then_finetunes_from_its_plain_
     tuned = user.run(f"python run.py data=imagefolder data.root={target} {small} finetune.from={weights} "
                      "'finetune.freeze=[layer1.*]'")
     assert tuned.returncode == 0, tuned.stderr[-3000:]
-    assert "Head 'fc' re-initialised: the number of classes changed" in tuned.stderr
-    assert "ignored 2 from the file (fc.weight, fc.bias)" in tuned.stderr
+    assert "Head 'fc' re-initialised: the number of classes changed" in tuned.stdout
+    assert "ignored 2 from the file (fc.weight, fc.bias)" in tuned.stdout
     run_dir = user.runs("train")[-1]
     before, after = torch.load(weights), load_checkpoint(run_dir / "checkpoints" / "last.pt")["model"]
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("layer1."))

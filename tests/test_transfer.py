@@ -100,14 +100,18 @@ def test_a_model_without_head_name_needs_finetune_head_when_the_labels_change(tr
     assert torch.equal(before["net.1.weight"], after["net.1.weight"]) and not torch.equal(before["net.3.weight"], after["net.3.weight"])
 
 
-def test_the_shipped_example_pair_reaches_65_percent_on_digits_5_to_9(train):
-    # digits_pretrain shortened to 3 of its 10 epochs; digits_finetune exactly as shipped.
-    quiet = ["trainer.progress_bar=false", *QUIET]
-    _, source = train("experiment=digits_pretrain", "trainer.max_epochs=3", *quiet, shrink=False)
-    metrics, run_dir = train("experiment=digits_finetune", f"finetune.from={source}", *quiet, shrink=False)
+def test_the_shipped_example_pair_beats_the_same_budget_from_scratch(train):
+    # Seed 0 of benchmarks/transfer_vs_scratch.py, which gives the mean over seeds (a single seed varies:
+    # of the 11 measured, 42 is the one where scratch wins, by 1.5 points).
+    quiet = ["seed=0", "trainer.progress_bar=false", *QUIET]
+    _, source = train("experiment=digits_pretrain", *quiet, shrink=False)
+    tuned, run_dir = train("experiment=digits_finetune", f"finetune.from={source}", *quiet, shrink=False)
+    scratch, _ = train("experiment=digits_finetune", "finetune.from=", "finetune.freeze=[]", *quiet, shrink=False)
     log = (run_dir / "train.log").read_text()
-    assert "architecture framework.model.CNN from the checkpoint" in log and "18,816 frozen parameters" in log
-    assert metrics["epoch"] == 2 and metrics["val/acc"] >= 0.65 and metrics["test/acc"] >= 0.65
+    assert "architecture framework.model.ResNet from the checkpoint" in log and "15 train / 134 val samples" in log
+    assert "Head 'head' re-initialised: the labels differ from the pretraining run" in log
+    assert tuned["epoch"] == scratch["epoch"] == 30
+    assert tuned["test/acc"] >= scratch["test/acc"] + 0.05, (tuned["test/acc"], scratch["test/acc"])
 
 
 def test_eval_scores_the_test_split_and_reproduces_the_training_runs_metrics_exactly(train, cli, user):
@@ -117,7 +121,7 @@ def test_eval_scores_the_test_split_and_reproduces_the_training_runs_metrics_exa
     written = read_metrics(user.runs("eval")[0])
     assert written["test/acc"] == metrics["test/acc"] and written["test/loss"] == metrics["test/loss"]
     assert f"test/acc {metrics['test/acc']:.6f}" in best.stdout + best.stderr
-    assert "test/acc by label: 1 " in best.stderr and {"test/acc/1", "test/acc/7"} <= set(written)
+    assert "test/acc by label: 1 " in best.stdout and {"test/acc/1", "test/acc/7"} <= set(written)
     last, _ = train("task=eval", f"ckpt={run_dir / 'checkpoints' / 'last.pt'}", "eval.split=val", shrink=False)
     assert last["val/acc"] == metrics["val/acc"] and last["val/loss"] == metrics["val/loss"]
 
