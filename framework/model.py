@@ -128,7 +128,8 @@ def import_extra(package: str) -> Any:
         raise ConfigError(f"model={package} needs the {package} package, which is not installed; {install}") from None
     except Exception as error:  # e.g. a torchvision wheel built for another torch: its C++ operators do not load
         raise ConfigError(f"model={package}: {package} is installed but does not import beside torch {torch.__version__} "
-                          f"({type(error).__name__}: {error}); install the build that matches torch: {install}") from None
+                          f"({type(error).__name__}: {error}); it needs a build for this exact torch, version and CPU or "
+                          "CUDA alike.") from None
 
 
 def torchvision_model(name: str, num_classes: int, input_shape: Sequence[int]) -> nn.Module:
