@@ -43,7 +43,7 @@ def write_digit_pngs(root: Path, digits, per_class: int, size: int = 32, splits=
     return root
 
 
-def test_an_image_folder_trains_then_eval_and_export_report_its_labels(user, tmp_path):
+def test_an_image_folder_trains_and_its_export_maps_outputs_to_labels(user, tmp_path):
     root = write_digit_pngs(tmp_path / "images", (0, 1, 7), per_class=20, splits=("train", "val", "test"))
     transforms = "data.transforms.resize=12 data.transforms.crop=10 'data.transforms.mean=[0.5,0.5,0.5]' 'data.transforms.std=[0.5,0.5,0.5]'"
     trained = user.run(f"python run.py data=imagefolder data.root={root} {transforms} model=cnn lr=3e-3 batch_size=20 "
@@ -53,11 +53,6 @@ def test_an_image_folder_trains_then_eval_and_export_report_its_labels(user, tmp
     assert "60 train / 60 val samples" in trained.stdout
     assert load_checkpoint(run_dir / "checkpoints" / "best.pt")["classes"] == ["one", "seven", "zero"]
     assert read_metrics(run_dir)["test/acc"] >= 0.8
-
-    scored = user.run("python run.py task=eval ckpt=outputs/train")  # the test split, by default
-    assert scored.returncode == 0, scored.stderr[-3000:]
-    assert "on 60 test samples" in scored.stdout and "test/acc by label: one " in scored.stdout
-    assert set(read_metrics(user.runs("eval")[-1])) >= {"test/acc", "test/acc/zero", "test/acc/one", "test/acc/seven"}
 
     exported = user.run("python run.py task=export ckpt=outputs/train")
     assert exported.returncode == 0, exported.stderr[-3000:]
@@ -70,7 +65,8 @@ def test_an_image_folder_trains_then_eval_and_export_report_its_labels(user, tmp
               for f in sorted((root / "test" / "seven").iterdir())]
     x = (torch.from_numpy(np.stack(sevens) / 255).permute(0, 3, 1, 2) - 0.5) / 0.5
     predicted = [labels[i] for i in torch.export.load(artifact / "model.pt2").module()(x).argmax(1).tolist()]
-    assert predicted.count("seven") == round(read_metrics(user.runs("eval")[-1])["test/acc/seven"] * 20), predicted
+    checkpoint = load_model(run_dir / "checkpoints" / "best.pt")
+    assert predicted == [checkpoint.classes[i] for i in checkpoint(x).argmax(1).tolist()] and predicted.count("seven") >= 10
     assert load_artifact(artifact).classes == labels
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SHRINK, read_metrics
+from conftest import SHRINK, one_line_error, read_metrics
 from framework.errors import CheckpointError
 from framework.checkpoint import load_checkpoint, load_model, save_checkpoint
 from framework.errors import ConfigError
@@ -210,3 +210,8 @@ def test_unfreezing_later_under_ddp_is_refused_before_any_work(train):
 
     with pytest.raises(ConfigError, match="finetune.unfreeze_at_epoch=1 is not supported with parallel=ddp"):
         train("parallel=ddp", "finetune.freeze=[block0.*]", "finetune.unfreeze_at_epoch=1")
+
+
+def test_a_pretrain_experiment_that_leaves_no_checkpoint_stops_in_one_line(cli):
+    line = one_line_error(cli("finetune.from=outputs/nothing", "finetune.pretrain=no_such_experiment", "logger=none"))
+    assert "finetune.pretrain=no_such_experiment did not leave a checkpoint in finetune.from=outputs/nothing" in line
