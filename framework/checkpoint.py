@@ -14,7 +14,7 @@ import random
 import shutil
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from hydra.utils import get_object
 from torch import nn
 
 from framework.errors import CheckpointError, ResourceError
-from framework.model import build_model
+from framework.model import EXTRA_BUILDERS, build_model
 from framework.paths import shown
 
 log = logging.getLogger(__name__)
@@ -130,22 +130,28 @@ def load_checkpoint(path: str | Path, require: Sequence[str] = ()) -> Dict[str, 
 
 
 def checked_spec(spec: Any, source: str | Path) -> Dict[str, Any]:
-    """A model spec read from a file, refused unless it only constructs a ``torch.nn.Module`` class.
+    """A model spec read from a file, refused unless it only constructs a ``torch.nn.Module`` class
+    (or calls one of runlab's own builders of torchvision and timm models).
 
     ``instantiate`` calls whatever ``_target_`` names, so a crafted file could otherwise name
     ``os.system``; nested ``_target_`` keys would be called too, so none may appear.
     """
     target = spec.get("_target_") if isinstance(spec, dict) else None
-    try:
-        resolved = get_object(target) if isinstance(target, str) else None
-    except Exception:
-        resolved = None
-    if not (isinstance(resolved, type) and issubclass(resolved, nn.Module)):
+    builder = isinstance(target, str) and target in EXTRA_BUILDERS
+    if not (builder or _is_module_class(target)):
         raise CheckpointError(f"{source} was refused: its model_spec._target_={target!r} is not an importable "
                               "torch.nn.Module class, and nothing else is constructed from a file.")
     if any(_names_target(value) for key, value in spec.items() if key != "_target_"):
         raise CheckpointError(f"{source} was refused: its model_spec has nested _target_ keys, which would call code.")
     return spec
+
+
+def _is_module_class(target: Any) -> bool:
+    try:
+        resolved = get_object(target) if isinstance(target, str) else None
+    except Exception:
+        return False
+    return isinstance(resolved, type) and issubclass(resolved, nn.Module)
 
 
 def _names_target(value: Any) -> bool:
@@ -162,8 +168,19 @@ def model_from_state(state: Dict[str, Any], source: str | Path) -> nn.Module:
 
 
 def load_model(path: str | Path, device: str = "cpu") -> nn.Module:
-    """Rebuild a trained model from a checkpoint alone, in eval mode: the way to share a run."""
-    return model_from_state(load_checkpoint(path, require=("model", "model_spec")), path).to(device).eval()
+    """Rebuild a trained model from a checkpoint alone, in eval mode: the way to share a run.
+
+    ``model.classes[i]`` is the label of output ``i`` (the class names of the run's data).
+    """
+    state = load_checkpoint(path, require=("model", "model_spec"))
+    model = model_from_state(state, path).to(device).eval()
+    model.classes = checkpoint_classes(state)
+    return model
+
+
+def checkpoint_classes(state: Dict[str, Any]) -> List[str]:
+    """The label of each output; checkpoints written before labels were kept get the indices."""
+    return list(state.get("classes") or map(str, range(state["model_spec"].get("num_classes", 0))))
 
 
 # --- RNG state -------------------------------------------------------------------------

@@ -8,23 +8,38 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, List
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, ListConfig
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from framework.errors import ConfigError
 from framework.paths import register_resolvers
 
 
 @dataclass
+class TransformsConfig:
+    """imagefolder: each image is resized, cropped, flipped (training only) and normalised, in that order."""
+
+    resize: int = 0  # the shorter side in pixels, aspect kept; 0: as stored
+    crop: int = 0  # a square of this side: the centre for evaluation, a random position for training; 0: none
+    flip: bool = False  # training: mirror left-right with probability 1/2
+    grayscale: bool = False  # one channel instead of RGB's three
+    mean: List[float] = field(default_factory=list)  # per channel, on pixels scaled to 0..1; []: not normalised
+    std: List[float] = field(default_factory=list)
+
+
+@dataclass
 class DataConfig:
-    # digits: scikit-learn's bundled 8x8 digits; synthetic: generated; csv / tensors: the user's file.
+    # digits: scikit-learn's bundled 8x8 digits; synthetic: generated; csv / tensors: the user's file;
+    # imagefolder: the user's images in a folder per class.
     source: str = "digits"
     batch_size: int = MISSING  # the global batch per optimizer step; conf/data takes ${batch_size}
     path: str = ""  # the csv, .pt or .npz file for source=csv|tensors
+    root: str = ""  # imagefolder: DIR/<class>/*.png|jpg, or DIR/train|val|test/<class>/*.png|jpg
+    transforms: TransformsConfig = field(default_factory=TransformsConfig)  # imagefolder only
     label_column: str = "label"  # csv: the column holding integer class labels
     features_key: str = "x"  # .pt/.npz: the tensor of inputs
     labels_key: str = "y"  # .pt/.npz: the tensor of integer labels
@@ -32,7 +47,8 @@ class DataConfig:
     val_fraction: float = 0.15
     test_fraction: float = 0.15
     split_seed: int = 0  # fixed, so every run and every trial of a sweep sees the same split
-    normalize: bool = True
+    train_per_class: int = 0  # keep only this many training samples of each class (a small labelled budget); 0: all
+    normalize: bool = True  # standardise with the training split's statistics (in-memory sources)
     # synthetic only
     num_samples: int = 4096
     input_shape: List[int] = field(default_factory=lambda: [32])
@@ -111,11 +127,12 @@ class FinetuneConfig:
     freeze: List[str] = field(default_factory=list)  # glob patterns over parameter names
     unfreeze_at_epoch: int = -1  # -1: never
     backbone_lr_factor: float = 1.0  # scales lr for the frozen parameters once they train
+    pretrain: str = ""  # an experiment run first when `from` holds no checkpoint yet; its run must write there
 
 
 @dataclass
 class EvalConfig:
-    split: str = "val"  # the split task=eval scores: val | test
+    split: str = "test"  # the split task=eval scores: test | val
 
 
 @dataclass
@@ -186,7 +203,7 @@ register_configs()
 
 TASKS = ("train", "eval", "export", "doctor")
 SPLITS = ("val", "test")
-DATA_SOURCES = ("digits", "synthetic", "csv", "tensors")
+DATA_SOURCES = ("digits", "synthetic", "csv", "tensors", "imagefolder")
 LOADERS = ("auto", "memory", "dataloader")
 PRECISIONS = ("32", "bf16", "fp16")
 LOGGERS = ("tensorboard", "csv", "wandb", "none")
@@ -271,6 +288,10 @@ def _validate_device(device: str) -> None:
 
 
 def _validate_model(model: DictConfig) -> None:
+    from framework.model import EXTRA_BUILDERS, import_extra
+
+    if model._target_ in EXTRA_BUILDERS:
+        import_extra(EXTRA_BUILDERS[model._target_])
     if not model._target_.startswith("framework.model."):
         return  # a user's model checks its own arguments
     for key in MODEL_SIZES:
@@ -297,11 +318,37 @@ def _validate_data(data: DictConfig) -> None:
     if data.source in ("csv", "tensors"):
         _require(bool(data.path), f"data.path is empty; data.source={data.source} needs the path of your file.")
         _require(Path(data.path).is_file(), f"data.path={data.path!r} does not exist.")
+    _require(data.train_per_class >= 0, f"data.train_per_class={data.train_per_class} is invalid; use 0 (every sample) "
+                                        "or the number of training samples to keep per class.")
+    if data.source == "imagefolder":
+        _validate_image_folder(data)
+    else:
+        _require(OmegaConf.to_container(data.transforms) == asdict(TransformsConfig()),
+                 f"data.transforms apply to data.source=imagefolder only, not to data.source={data.source}.")
     fractions = data.val_fraction + data.test_fraction
     _require(0 < data.val_fraction and 0 <= data.test_fraction and fractions < 1,
              f"data.val_fraction={data.val_fraction} and data.test_fraction={data.test_fraction} are invalid; "
              "val must be above 0 and both together below 1.")
     _require(data.eval_batch_size >= 1, f"data.eval_batch_size={data.eval_batch_size} is invalid; it must be a positive integer.")
+
+
+def _validate_image_folder(data: DictConfig) -> None:
+    _require(bool(data.root), "data.root is empty; data.source=imagefolder needs the folder of your images (DIR/<class>/*.png).")
+    _require(Path(data.root).is_dir(), f"data.root={data.root!r} is not a folder.")
+    _require(data.loader != "memory", "data.loader=memory does not apply to data.source=imagefolder: images are decoded "
+                                      "by DataLoader workers (data.num_workers); use auto or dataloader.")
+    _require(not data.classes, f"data.classes={list(data.classes)} does not apply to data.source=imagefolder; "
+                               "keep only the class folders you want under data.root.")
+    _require(not data.normalize, "data.normalize=true does not apply to data.source=imagefolder; normalise with "
+                                 "data.transforms.mean and data.transforms.std.")
+    transforms = data.transforms
+    for key in ("resize", "crop"):
+        _require(transforms[key] >= 0, f"data.transforms.{key}={transforms[key]} is invalid; use 0 (off) or a size in pixels.")
+    channels = 1 if transforms.grayscale else 3
+    mean, std = list(transforms.mean), list(transforms.std)
+    _require(len(mean) == len(std) and len(mean) in (0, channels) and all(s > 0 for s in std),
+             f"data.transforms.mean={mean} and std={std} are invalid; give {channels} values each (one per channel, "
+             "std above 0), or [] for no normalisation.")
 
 
 def _validate_trainer(trainer: DictConfig) -> None:
@@ -341,7 +388,8 @@ def _validate_troubleshoot(troubleshoot: DictConfig) -> None:
 
 def _validate_finetune(finetune: DictConfig) -> None:
     source = finetune["from"]
-    _require(not source or Path(source).exists(), f"finetune.from={source!r} does not exist; give a checkpoint file, a run dir or outputs/<name>.")
+    _require(not source or Path(source).exists() or bool(finetune.pretrain),
+             f"finetune.from={source!r} does not exist; give a checkpoint file, a run dir or outputs/<name>.")
     _require(finetune.unfreeze_at_epoch >= -1,
              f"finetune.unfreeze_at_epoch={finetune.unfreeze_at_epoch} is invalid; use -1 (never) or the epoch to unfreeze at.")
     _require(finetune.unfreeze_at_epoch == -1 or bool(finetune.freeze),

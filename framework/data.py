@@ -1,9 +1,12 @@
 """Data sources (conf/data/): scikit-learn's bundled digits, synthetic classification data,
-and the user's own CSV or tensor file; plus the batch iterators the trainer consumes.
+the user's own CSV or tensor file, and folders of images; plus the batch iterators the trainer
+consumes.
 
-Every source ends as in-memory tensors split train/val/test with a fixed seed. Batches are
-cut by indexing those tensors directly (no per-sample ``__getitem__`` and collate) unless
-the set is too large to keep on the device, in which case a ``DataLoader`` streams it.
+Every source but image folders ends as in-memory tensors split train/val/test with a fixed
+seed. Batches are cut by indexing those tensors directly (no per-sample ``__getitem__`` and
+collate) unless the set is too large to keep on the device, in which case a ``DataLoader``
+streams it. Image folders (framework/imagefolder.py) are decoded by ``DataLoader`` workers.
+Every source names its classes, so a checkpoint can report labels rather than indices.
 """
 from __future__ import annotations
 
@@ -26,11 +29,22 @@ Batch = Tuple[torch.Tensor, torch.Tensor]
 
 @dataclass
 class Split:
+    """Inputs and labels held in memory."""
+
     x: torch.Tensor
     y: torch.Tensor
+    augments = False  # the same index always gives the same sample
 
     def __len__(self) -> int:
         return len(self.y)
+
+    def take(self, index: torch.Tensor, epoch: int = 0) -> Batch:
+        return self.x[index], self.y[index]
+
+
+def first(split, n: int) -> Batch:
+    """The split's first ``n`` samples (all of them when it has fewer), e.g. for a sample batch."""
+    return split.take(torch.arange(min(n, len(split))))
 
 
 @dataclass
@@ -39,7 +53,11 @@ class DataBundle:
     val: Split
     test: Split
     input_shape: Tuple[int, ...]
-    num_classes: int
+    classes: List[str]  # the label of each class index
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
 
     @property
     def is_image(self) -> bool:
@@ -87,7 +105,7 @@ def read_csv_rows(path: str) -> List[Tuple[int, List[str]]]:
         raise ConfigError(f"data.path={path!r} is not a readable CSV file ({error}).") from None
 
 
-def load_csv(path: str, label_column: str) -> Tuple[np.ndarray, np.ndarray]:
+def load_csv(path: str, label_column: str) -> Tuple[np.ndarray, np.ndarray, List[str]]:
     """Feature columns of numbers and one label column; every cell checked, so no NaN is trained on."""
     rows = read_csv_rows(path)
     if not rows:
@@ -109,8 +127,8 @@ def load_csv(path: str, label_column: str) -> Tuple[np.ndarray, np.ndarray]:
         if not row[label_at].strip():
             raise ConfigError(f"data.path={path!r} line {line}, column {label_column!r}: the label is empty; fill or "
                               "drop that row.")
-    _, y = np.unique([row[label_at] for _, row in body], return_inverse=True)
-    return features, y.astype(np.int64)
+    names, y = np.unique([row[label_at] for _, row in body], return_inverse=True)
+    return features, y.astype(np.int64), [str(name) for name in names]
 
 
 def feature_value(path: str, line: int, column: str, text: str) -> float:
@@ -126,7 +144,7 @@ def feature_value(path: str, line: int, column: str, text: str) -> float:
     return value
 
 
-def load_tensor_file(path: str, features_key: str, labels_key: str) -> Tuple[np.ndarray, np.ndarray]:
+def load_tensor_file(path: str, features_key: str, labels_key: str) -> Tuple[np.ndarray, np.ndarray, List[str]]:
     if path.endswith(".npz"):
         with np.load(path, allow_pickle=False) as arrays:
             contents = {k: arrays[k] for k in arrays.files}
@@ -141,15 +159,15 @@ def load_tensor_file(path: str, features_key: str, labels_key: str) -> Tuple[np.
         if key not in contents:
             raise ConfigError(f"data.path={path!r} has no tensor {key!r}; it holds {', '.join(map(str, contents))}.")
     x, y = (np.asarray(contents[k]) for k in (features_key, labels_key))
-    _, y = np.unique(y, return_inverse=True)
-    return x.astype(np.float32), y.astype(np.int64)
+    names, y = np.unique(y, return_inverse=True)
+    return x.astype(np.float32), y.astype(np.int64), [str(name) for name in names.tolist()]
 
 
-def _read_source(cfg: DictConfig, seed: int) -> Tuple[np.ndarray, np.ndarray]:
-    if cfg.source == "digits":
-        return load_digits_arrays()
-    if cfg.source == "synthetic":
-        return make_synthetic(cfg, seed)
+def _read_source(cfg: DictConfig, seed: int) -> Tuple[np.ndarray, np.ndarray, List[str]]:
+    """Inputs, integer labels and the name of each label."""
+    if cfg.source in ("digits", "synthetic"):
+        x, y = load_digits_arrays() if cfg.source == "digits" else make_synthetic(cfg, seed)
+        return x, y, [str(label) for label in range(int(y.max()) + 1)]
     if cfg.source == "csv":
         return load_csv(cfg.path, cfg.label_column)
     return load_tensor_file(cfg.path, cfg.features_key, cfg.labels_key)
@@ -170,6 +188,18 @@ def split_indices(n: int, val_fraction: float, test_fraction: float, seed: int) 
     return order[n_val + n_test:], order[:n_val], order[n_val:n_val + n_test]
 
 
+def per_class(indices: np.ndarray, y: np.ndarray, n: int) -> np.ndarray:
+    """The first ``n`` of ``indices`` of each class, in their (seeded) order: a small labelled budget.
+    ``n`` = 0 keeps them all."""
+    if not n:
+        return indices
+    labels = y[indices]
+    rank = np.zeros(len(indices), dtype=np.int64)
+    for label in np.unique(labels):
+        rank[labels == label] = np.arange(np.count_nonzero(labels == label))
+    return indices[rank < n]
+
+
 def standardize(train: np.ndarray, *others: np.ndarray) -> List[np.ndarray]:
     """Zero mean, unit variance from the train split alone: one scalar for images, per feature otherwise."""
     axis = None if train.ndim == 4 else 0
@@ -179,22 +209,31 @@ def standardize(train: np.ndarray, *others: np.ndarray) -> List[np.ndarray]:
 
 
 def build_data(cfg: DictConfig, seed: int) -> DataBundle:
-    x, y = _read_source(cfg, seed)
+    if cfg.source == "imagefolder":
+        from framework.imagefolder import build_image_folder  # it builds on this module's helpers
+
+        return build_image_folder(cfg, seed)
+    x, y, names = _read_source(cfg, seed)
     if not np.isfinite(x).all():  # a file of tensors (CSV cells are checked as they are read)
         sample, *position = np.argwhere(~np.isfinite(x))[0]
         raise ConfigError(f"data.path={cfg.path!r} sample {sample}, feature {tuple(position)} is {x[(sample, *position)]}; "
                           "clean the data first (runlab does not train on NaN or inf).")
     if cfg.classes:
+        unknown = [c for c in cfg.classes if not 0 <= c < len(names)]
+        if unknown:
+            raise ConfigError(f"data.classes={list(cfg.classes)} lists {unknown[0]}, which is not a label of this data; "
+                              f"its labels are 0..{len(names) - 1}.")
         x, y = keep_classes(x, y, list(cfg.classes))
+        names = [names[c] for c in cfg.classes]
     if len(y) < 3:
         raise ConfigError(f"data.source={cfg.source} yielded {len(y)} samples; at least 3 are needed to split train/val/test.")
     train_i, val_i, test_i = split_indices(len(y), cfg.val_fraction, cfg.test_fraction, cfg.split_seed)
+    train_i = per_class(train_i, y, cfg.train_per_class)
     parts = [x[train_i], x[val_i], x[test_i]]
     if cfg.normalize:
         parts = standardize(*parts)
     splits = [Split(torch.from_numpy(np.ascontiguousarray(p)), torch.from_numpy(y[i])) for p, i in zip(parts, (train_i, val_i, test_i))]
-    num_classes = len(cfg.classes) if cfg.classes else int(y.max()) + 1
-    return DataBundle(*splits, input_shape=tuple(x.shape[1:]), num_classes=num_classes)
+    return DataBundle(*splits, input_shape=tuple(x.shape[1:]), classes=names)
 
 
 # --- batching ----------------------------------------------------------------------------
@@ -264,18 +303,17 @@ class InMemoryBatches:
             yield self.x[index.to(self.x.device)], self.y[index.to(self.y.device)]
 
 
-class _BatchedTensors(Dataset):
-    """Hands a DataLoader whole batches by indexing, so no per-sample collate runs."""
+class _BatchedSplit(Dataset):
+    """Hands a DataLoader whole batches (``Split.take``), so no per-sample collate runs."""
 
     def __init__(self, split: Split):
-        self.split = split
+        self.split, self.epoch = split, 0
 
     def __len__(self) -> int:
         return len(self.split)
 
     def __getitems__(self, indices: List[int]) -> Batch:
-        index = torch.as_tensor(indices)
-        return self.split.x[index], self.split.y[index]
+        return self.split.take(torch.as_tensor(indices), self.epoch)
 
 
 def _already_batched(batch: Batch) -> Batch:
@@ -288,13 +326,16 @@ class StreamedBatches:
     on_device = False
 
     def __init__(self, split: Split, plan: BatchPlan, device: torch.device, num_workers: int):
-        self.plan = plan
-        self.loader = DataLoader(_BatchedTensors(split), batch_sampler=plan, collate_fn=_already_batched,
+        self.plan, self.dataset = plan, _BatchedSplit(split)
+        # Workers keep the copy of the dataset they started with: augmenting ones restart every
+        # epoch, so each sample's random transform follows the epoch (and resumes exactly).
+        self.loader = DataLoader(self.dataset, batch_sampler=plan, collate_fn=_already_batched,
                                  num_workers=num_workers, pin_memory=device.type == "cuda",
-                                 persistent_workers=num_workers > 0)
+                                 persistent_workers=num_workers > 0 and not split.augments)
 
     def set_epoch(self, epoch: int) -> None:
         self.plan.set_epoch(epoch)
+        self.dataset.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.plan)
@@ -310,7 +351,8 @@ def fits_on_device(split: Split, device: torch.device, budget_mb: int) -> bool:
 
 def make_batches(split: Split, cfg: DictConfig, plan: BatchPlan, device: torch.device,
                  target_device: Optional[torch.device] = None):
-    use_memory = cfg.loader == "memory" or (cfg.loader == "auto" and fits_on_device(split, device, cfg.device_cache_mb))
+    in_memory = isinstance(split, Split)  # image folders are decoded as they are read
+    use_memory = in_memory and (cfg.loader == "memory" or (cfg.loader == "auto" and fits_on_device(split, device, cfg.device_cache_mb)))
     if use_memory:
         return InMemoryBatches(split, plan, device, target_device)
     return StreamedBatches(split, plan, device, cfg.num_workers)

@@ -5,7 +5,10 @@
   ``model.ts`` (``torch.jit.load``) when torch.export cannot capture the model.
 - ``weights.safetensors`` (a weights-only ``weights.pt`` without the safetensors package).
 - ``model_spec.json`` (the constructor call), ``config.yaml`` (the run's resolved config) and
-  ``manifest.json`` (what is where, and the verification result).
+  ``manifest.json`` (what is where, ``labels``: the label of each output, and the verification
+  result).
+
+Every file is written 0644, readable by the group and others, like any file meant to be shared.
 
 Both program formats are unpickled by torch when loaded, so treat them like code and load
 them only from sources you trust. The weights and JSON files are plain data: ``load_artifact``
@@ -22,8 +25,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from framework.checkpoint import checked_spec, load_checkpoint, model_from_state, resolve_checkpoint_path
-from framework.data import build_data
+from framework.checkpoint import checkpoint_classes, checked_spec, load_checkpoint, model_from_state, resolve_checkpoint_path
+from framework.data import build_data, first
 from framework.errors import CheckpointError
 from framework.evaluate import checkpoint_config
 from framework.finetune import read_pretrained
@@ -42,18 +45,21 @@ def export(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:
     state = load_checkpoint(path)
     model = model_from_state(state, path).eval()
     saved = checkpoint_config(cfg, state, ("data",))
-    sample = build_data(saved.data, saved.seed).val.x[:SAMPLE_SIZE]
+    sample, _ = first(build_data(saved.data, saved.seed).val, SAMPLE_SIZE)
     directory = Path(run_dir) / "artifact"
     directory.mkdir(parents=True, exist_ok=True)
     manifest = {"format": FORMAT, "version": VERSION, "program": write_program(model, sample, directory),
                 "weights": write_weights(model, directory), "model_spec": "model_spec.json", "config": "config.yaml",
-                "input_shape": list(sample.shape[1:]), "source": str(path), "torch": torch.__version__}
+                "input_shape": list(sample.shape[1:]), "labels": checkpoint_classes(state), "source": str(path),
+                "torch": torch.__version__}
     (directory / "model_spec.json").write_text(json.dumps(state["model_spec"], indent=2) + "\n")
     (directory / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(state["config"])))
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     differences = verify(directory, manifest, model, sample)
     manifest["verified_max_abs_diff"] = differences
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    for written in directory.iterdir():  # safetensors, for one, creates its file 0600
+        written.chmod(0o644)
     log.info("Exported %s to %s: %s. On a sample batch of %d the outputs equal the original's (max abs diff %s).",
              path, directory, ", ".join(sorted(p.name for p in directory.iterdir())), len(sample), differences)
     metrics = {f"export/max_abs_diff_{name}": value for name, value in differences.items()}
@@ -97,7 +103,8 @@ def load_program(path: Path) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def load_artifact(directory: str | Path) -> nn.Module:
-    """The exported model rebuilt from model_spec.json and the weights file, in eval mode.
+    """The exported model rebuilt from model_spec.json and the weights file, in eval mode, with
+    ``model.classes`` from the manifest's labels.
 
     Reads only data (JSON and tensors), never a program, so it is safe on untrusted files.
     """
@@ -114,6 +121,7 @@ def load_artifact(directory: str | Path) -> nn.Module:
         model.load_state_dict(read_pretrained(directory / manifest["weights"])["model"])
     except RuntimeError as error:
         raise CheckpointError(f"{directory}: the weights do not fit model_spec.json ({str(error).splitlines()[0]}).") from None
+    model.classes = manifest.get("labels", [])
     return model.eval()
 
 

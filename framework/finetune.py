@@ -7,6 +7,12 @@ parameters that will join later, and ``on_epoch_start`` keeps frozen BatchNorm l
 eval mode and unfreezes on schedule. With ``finetune.from`` empty and no ``freeze`` every
 step is a no-op.
 
+``finetune.from`` is a runlab checkpoint (or run dir), or a plain state dict as torchvision and
+timm save one (``torch.save(model.state_dict(), PATH)``, or safetensors). A model that declares
+no ``head_name`` has its output layer found under ``fc``, ``classifier``, ``head`` or ``heads``.
+When ``from`` holds no checkpoint yet and ``finetune.pretrain`` names an experiment, that
+experiment runs first, as its own command would.
+
 The architecture is the checkpoint's saved ``model_spec``; the command line overrides it
 with ``model=NAME`` or ``model._target_=CLASS`` (a new architecture: weights load where
 names and shapes match) or ``model.KEY=VALUE`` (that key changed on top of the checkpoint's,
@@ -17,6 +23,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import subprocess
+import sys
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -32,7 +40,47 @@ from framework.model import accepted_keys, model_spec
 log = logging.getLogger(__name__)
 
 # What decides what the labels mean: a head trained on other labels is not reused.
-LABEL_KEYS = ("source", "path", "classes")
+LABEL_KEYS = ("source", "path", "root", "classes")
+# Where torchvision and timm models keep their output layer.
+HEAD_MODULES = ("fc", "classifier", "head", "heads")
+RUN_PY = Path(__file__).resolve().parent.parent / "run.py"
+
+
+def detect_head(model: nn.Module) -> str:
+    """The output layer under the first of HEAD_MODULES the model has: its last Linear or Conv2d
+    (``fc``, ``classifier.6``, ``head.fc``); "" when there is none."""
+    for name in HEAD_MODULES:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            continue
+        layers = [sub for sub, layer in module.named_modules() if isinstance(layer, (nn.Linear, nn.Conv2d))]
+        if layers:
+            return f"{name}.{layers[-1]}".rstrip(".")
+    return ""
+
+
+def has_checkpoint(path: str) -> bool:
+    try:
+        resolve_checkpoint_path(path)
+        return True
+    except CheckpointError:
+        return False
+
+
+def pretrain_if_missing(cfg: DictConfig) -> None:
+    """Run the experiment ``finetune.pretrain`` first when ``finetune.from`` holds no checkpoint yet,
+    in its own process exactly as ``python run.py experiment=NAME`` would, writing under this
+    run's paths.output_dir."""
+    source, experiment = cfg.finetune["from"], cfg.finetune.pretrain
+    if not (source and experiment) or has_checkpoint(source):
+        return
+    log.info("finetune.from=%s holds no checkpoint yet, so finetune.pretrain runs first: python run.py experiment=%s",
+             source, experiment)
+    done = subprocess.run([sys.executable, str(RUN_PY), f"experiment={experiment}", f"paths.output_dir={cfg.paths.output_dir}"])
+    if done.returncode or not has_checkpoint(source):
+        raise ConfigError(f"finetune.pretrain={experiment} did not leave a checkpoint in finetune.from={source}; "
+                          f"run python run.py experiment={experiment} yourself and read its error.")
 
 
 def command_line_overrides(group: str) -> Tuple[bool, Set[str]]:
@@ -71,6 +119,10 @@ def read_pretrained(path: Path) -> Dict[str, Any]:
     if isinstance(state, dict) and state and all(hasattr(v, "shape") for v in state.values()):
         return {"model": state}
     raise CheckpointError(f"{path} is neither a runlab checkpoint nor a state dict of tensors; finetune.from needs one of them.")
+
+
+def first_names(keys: List[str]) -> str:
+    return f"{', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
 
 
 class Finetuner:
@@ -115,7 +167,7 @@ class Finetuner:
     def _head_keys(self, model: nn.Module, incoming: Dict[str, Any]) -> Set[str]:
         """The head's weights, when the head must not be reused: other classes, or other labels."""
         own = model.state_dict()
-        head = self.cfg.head or getattr(model, "head_name", "")
+        head = self.cfg.head or getattr(model, "head_name", "") or detect_head(model)
         if head:
             try:
                 model.get_submodule(head)
@@ -130,8 +182,9 @@ class Finetuner:
         if not (shape_changed or labels_changed):
             return set()
         if not head and self.cfg.strict:
-            raise ConfigError(f"{type(model).__name__} declares no head_name, so its output layer cannot be replaced; "
-                              "set finetune.head=MODULE (its output layer) or finetune.strict=false to load only matching weights.")
+            raise ConfigError(f"{type(model).__name__} declares no head_name and has no {'/'.join(HEAD_MODULES)} module, so "
+                              "its output layer cannot be replaced; set finetune.head=MODULE (its output layer) or "
+                              "finetune.strict=false to load only matching weights.")
         why = "the number of classes changed" if shape_changed else "the labels differ from the pretraining run"
         log.info("Head %r re-initialised: %s.", head, why)
         return head_keys
@@ -144,9 +197,11 @@ class Finetuner:
                       if k in own and k not in head and v.shape != own[k].shape]
         unexpected = [k for k in incoming if k not in own]
         missing = [k for k in own if k not in incoming and k not in head]
-        log.info("finetune.from=%s: loaded %d tensors, re-initialised %d (head), missing %d, unexpected %d, "
-                 "shape-mismatched %d.", self.source, len(loadable), len(head), len(missing), len(unexpected), len(mismatched))
-        problems = [f"{label}: {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
+        ignored = [k for k in incoming if k not in loadable]
+        log.info("finetune.from=%s: matched %d tensors; re-initialised %d (head %d, missing %d, shape-mismatched %d); "
+                 "ignored %d from the file (%s).", self.source, len(loadable), len(own) - len(loadable), len(head),
+                 len(missing), len(mismatched), len(ignored), first_names(ignored) or "none")
+        problems = [f"{label}: {first_names(keys)}"
                     for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape-mismatched", mismatched)) if keys]
         if problems and self.cfg.strict:
             raise CheckpointError(f"finetune.from={self.source} does not fit this model ({'; '.join(problems)}); "

@@ -3,18 +3,26 @@
 Models are plain ``nn.Sequential`` subclasses of named stages: they know nothing about
 devices or processes (parallel.py wraps them), and a pipeline can split them by stage.
 Each names its output layer in ``head_name`` so fine-tuning can replace it by name.
+
+``model=torchvision`` and ``model=timm`` build other libraries' classification models by
+name, with random weights (pretrained ones come from a local file through finetune.from),
+when the optional extra of that name is installed.
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+
+from framework.errors import ConfigError, RunlabError
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +119,43 @@ class ResNet(nn.Sequential):
         super().__init__(layers)
 
 
+def import_extra(package: str) -> Any:
+    """``torchvision`` or ``timm``, which the project's optional extra of that name installs."""
+    install = f"pip install -c constraints.txt -e '.[{package}]'"
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise ConfigError(f"model={package} needs the {package} package, which is not installed; {install}") from None
+    except Exception as error:  # e.g. a torchvision wheel built for another torch: its C++ operators do not load
+        raise ConfigError(f"model={package}: {package} is installed but does not import beside torch {torch.__version__} "
+                          f"({type(error).__name__}: {error}); it needs a build for this exact torch, version and CPU or "
+                          "CUDA alike.") from None
+
+
+def torchvision_model(name: str, num_classes: int, input_shape: Sequence[int]) -> nn.Module:
+    """Any torchvision classification model by builder name (resnet18, mobilenet_v3_small, ...), weights=None."""
+    models = import_extra("torchvision").models
+    if name not in models.list_models(module=models):
+        raise ConfigError(f"model.name={name!r} is not a torchvision classification model; choose one of "
+                          f"{', '.join(models.list_models(module=models))}.")
+    if input_shape[0] != 3:
+        raise ConfigError(f"model=torchvision takes 3-channel images, but this data has {input_shape[0]} channel(s); "
+                          "with data=imagefolder set data.transforms.grayscale=false.")
+    return models.get_model(name, weights=None, num_classes=num_classes)
+
+
+def timm_model(name: str, num_classes: int, input_shape: Sequence[int]) -> nn.Module:
+    """Any timm model by name, with ``in_chans`` from the data; pretrained=False, so nothing is downloaded."""
+    timm = import_extra("timm")
+    if not timm.is_model(name):
+        raise ConfigError(f"model.name={name!r} is not a timm model; timm.list_models() lists them.")
+    return timm.create_model(name, pretrained=False, num_classes=num_classes, in_chans=input_shape[0])
+
+
+# Functions a model spec may name besides nn.Module classes, and the extra each needs.
+EXTRA_BUILDERS = {"framework.model.torchvision_model": "torchvision", "framework.model.timm_model": "timm"}
+
+
 def accepted_keys(target: Any) -> Optional[set]:
     """The keyword arguments ``target`` takes, or None when it takes ``**kwargs``."""
     parameters = inspect.signature(target).parameters.values()
@@ -139,7 +184,12 @@ def model_spec(model_cfg: DictConfig, input_shape: Tuple[int, ...], num_classes:
 
 
 def build_model(spec: Dict[str, Any]) -> nn.Module:
-    model = instantiate(spec, _convert_="all")
+    try:
+        model = instantiate(spec, _convert_="all")
+    except InstantiationException as error:  # hydra wraps what the constructor raised; the user's error is that one
+        if isinstance(error.__cause__, RunlabError):
+            raise error.__cause__ from None
+        raise
     if not isinstance(model, nn.Module):
         raise TypeError(f"model._target_={spec['_target_']!r} built a {type(model).__name__}, not a torch.nn.Module.")
     return model

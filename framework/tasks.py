@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 from framework import parallel
 from framework.evaluate import evaluate_checkpoint
 from framework.export import export
+from framework.finetune import pretrain_if_missing
 from framework.paths import RunLock
 from framework.signals import StopRequest
 from framework.trainer import Trainer
@@ -21,6 +22,7 @@ Metrics = Dict[str, float]
 
 
 def train(cfg: DictConfig, run_dir: Path) -> Metrics:
+    pretrain_if_missing(cfg)
     # The lock says "live" to resume=auto for as long as this process (the one the user started) runs.
     with RunLock(run_dir):
         return parallel.launch(fit, cfg, run_dir)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from framework.checkpoint import Checkpointer, EarlyStopping, TRAINING_STATE, load_checkpoint, rng_state, set_rng_state
-from framework.data import build_data, eval_batches, train_batches
+from framework.data import build_data, eval_batches, first, train_batches
 from framework.errors import ConfigError, Interrupted, signal_name
 from framework.finetune import Finetuner
 from framework.logger import build_logger, run_name
@@ -192,6 +192,7 @@ class Trainer:
             "metrics": self.metrics,
             "rng": rng_state(),
             "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "classes": self.data.classes,
         }
 
     def load_state(self, state: Dict[str, Any]) -> None:
@@ -215,7 +216,7 @@ class Trainer:
         trainable, frozen = count_parameters(self.model)
         log.info("Model %s: %s trainable, %s frozen parameters; %d train / %d val samples.",
                  self.spec["_target_"], f"{trainable:,}", f"{frozen:,}", len(self.data.train), len(self.data.val))
-        self.logger.log_graph(unwrap(self.model), self.data.val.x[:2].to(self.env.device))
+        self.logger.log_graph(unwrap(self.model), first(self.data.val, 2)[0].to(self.env.device))
         progress = ProgressBar(self.max_steps, self.cfg.trainer.progress_bar and self.env.is_main, initial=self.step)
         started, steps_at_start = time.perf_counter(), self.step
         try:
@@ -434,7 +435,7 @@ class Trainer:
         if not self.data.is_image:
             return
         with torch.inference_mode():
-            images, labels = self.data.val.x[:16], self.data.val.y[:16]
+            images, labels = first(self.data.val, 16)
             predictions = self.model(images.to(self.env.device)).argmax(1).cpu()
         self.logger.log_predictions(images, labels, predictions, self.epoch)
 

@@ -2,9 +2,12 @@ import numpy as np
 import pytest
 import torch
 
+from PIL import Image
+
 from conftest import composed
 from framework.errors import ConfigError
-from framework.data import (BatchPlan, build_data, keep_classes, load_digits_arrays, split_indices, standardize)
+from framework.data import (BatchPlan, build_data, keep_classes, load_digits_arrays, per_class, split_indices,
+                            standardize)
 
 
 def test_digits_come_from_the_bundled_file_unchanged():
@@ -101,3 +104,70 @@ def test_dataloader_path_trains_exactly_like_the_in_memory_path(train):
     streamed, streamed_dir = train("data.loader=dataloader")
     for key in ("train/loss", "val/loss", "val/acc"):
         assert fast[key] == pytest.approx(streamed[key], abs=1e-6), key
+
+
+def test_per_class_keeps_the_first_n_of_each_class_in_the_given_order():
+    y = np.array([0, 1, 0, 1, 0, 1, 2])
+    assert per_class(np.array([4, 5, 0, 6, 2, 3, 1]), y, 2).tolist() == [4, 5, 0, 6, 3]
+    assert per_class(np.arange(7), y, 0).tolist() == list(range(7))
+
+
+def test_train_per_class_is_a_small_labelled_budget_and_leaves_val_and_test_alone():
+    budget = build_data(composed("data.classes=[5,6,7,8,9]", "data.train_per_class=3").data, seed=0)
+    full = build_data(composed("data.classes=[5,6,7,8,9]").data, seed=0)
+    assert len(budget.train) == 15 and torch.bincount(budget.train.y).tolist() == [3] * 5
+    assert budget.classes == ["5", "6", "7", "8", "9"] and torch.equal(budget.test.y, full.test.y)
+
+
+def test_class_names_come_from_the_data(tmp_path):
+    path = write_csv(tmp_path / "my.csv")
+    assert build_data(composed("data=csv", f"data.path={path}").data, seed=0).classes == ["no", "yes"]
+    with pytest.raises(ConfigError, match=r"data.classes=\[3, 12\] lists 12, which is not a label of this data; its labels are 0..9"):
+        build_data(composed("data.classes=[3,12]").data, seed=0)
+
+
+def write_images(root, sizes):
+    """Random RGB PNGs: root/<class>/<n>.png, one per (class, width, height)."""
+    rng = np.random.default_rng(0)
+    for n, (name, width, height) in enumerate(sizes):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(root / name / f"{n}.png")
+    return root
+
+
+def test_an_image_folder_is_split_by_fraction_and_transformed_to_one_size(tmp_path):
+    root = write_images(tmp_path / "images", [(name, 20 + n % 3 * 7, 30 - n % 2 * 9) for n in range(20) for name in ("dog", "cat")])
+    cfg = composed("data=imagefolder", f"data.root={root}", "data.transforms.resize=16", "data.transforms.crop=12",
+                   "data.transforms.flip=true", "data.transforms.grayscale=true", "data.transforms.mean=[0.5]",
+                   "data.transforms.std=[0.25]").data
+    bundle = build_data(cfg, seed=0)
+    assert bundle.classes == ["cat", "dog"] and bundle.input_shape == (1, 12, 12)
+    assert (len(bundle.train), len(bundle.val), len(bundle.test)) == (28, 6, 6)
+    index = torch.arange(4)
+    x, y = bundle.train.take(index, epoch=1)
+    assert x.shape == (4, 1, 12, 12) and torch.equal(x, bundle.train.take(index, epoch=1)[0])  # seeded by epoch and sample
+    assert not torch.equal(x, bundle.train.take(index, epoch=2)[0])
+    assert torch.equal(bundle.val.take(index)[0], bundle.val.take(index, epoch=3)[0])  # evaluation does not augment
+
+
+def test_images_that_cannot_be_read_or_come_out_in_two_sizes_fail_in_one_line(tmp_path):
+    root = write_images(tmp_path / "images", [("a", 8, 8), ("b", 8, 10)] * 3)
+    with pytest.raises(ConfigError, match="come out in different sizes .* set data.transforms.crop"):
+        build_data(composed("data=imagefolder", f"data.root={root}").data, seed=0)
+    with pytest.raises(ConfigError, match="smaller than data.transforms.crop=9 after resizing"):
+        build_data(composed("data=imagefolder", f"data.root={root}", "data.transforms.crop=9").data, seed=0)
+    (root / "a" / "broken.png").write_bytes(b"not a png")
+    with pytest.raises(ConfigError, match="broken.png is not a readable image"):
+        build_data(composed("data=imagefolder", f"data.root={root}", "data.transforms.crop=8").data, seed=0)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.transforms.flip=true"], "data.transforms apply to data.source=imagefolder only"),
+    (["data.train_per_class=-1"], "data.train_per_class=-1 is invalid"),
+    (["data=imagefolder"], "data.root is empty"),
+    (["data=imagefolder", "data.root=.", "data.transforms.mean=[0.5]", "data.transforms.std=[0.5]"],
+     "give 3 values each (one per channel"),
+])
+def test_image_and_budget_settings_that_cannot_work_are_refused(train, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        train(*overrides)

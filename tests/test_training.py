@@ -8,7 +8,7 @@ from framework.checkpoint import Checkpointer, load_checkpoint
 from framework.errors import ConfigError
 from framework.entry import run
 
-# digits_finetune starts from a digits_pretrain run; test_transfer.py runs the pair.
+# digits_finetune starts from a digits_pretrain run: the sweep below and test_transfer.py run it.
 EXPERIMENTS = sorted(p.stem for p in (REPO / "experiments").glob("*.yaml") if p.stem != "digits_finetune")
 
 
@@ -26,6 +26,18 @@ def assert_same_weights(a, b, atol=0.0):
 def test_every_experiment_runs(train, name):
     metrics, run_dir = train(f"experiment={name}", "trainer.max_steps=3", "data.num_samples=1024")
     assert metrics["step"] == 3 and (run_dir / "metrics.json").is_file()
+
+
+@pytest.mark.timeout(600)
+def test_every_experiment_runs_in_one_sweep_on_a_fresh_clone(cli, user):
+    """lightning-hydra-template's smoke test; digits_finetune runs digits_pretrain first, as there is none yet."""
+    result = cli("-m", "experiment=glob(*)", "trainer.max_steps=1", "trainer.progress_bar=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = sorted(user.outputs.glob("*/multirun/*/*/metrics.json"))
+    assert len(jobs) == len(list((REPO / "experiments").glob("*.yaml")))
+    assert "finetune.pretrain runs first: python run.py experiment=digits_pretrain" in result.stdout
+    pretrained = user.runs("digits_pretrain")
+    assert len(pretrained) == 1 and read_metrics(pretrained[0])["epoch"] == 10  # a whole pretraining, not one step
 
 
 def test_the_default_experiment_learns_digits(train):

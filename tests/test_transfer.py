@@ -1,6 +1,7 @@
 """Fine-tuning (finetune.*), task=eval and task=export, and refusing files that would run code."""
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SHRINK, read_metrics
+from conftest import SHRINK, one_line_error, read_metrics
 from framework.errors import CheckpointError
 from framework.checkpoint import load_checkpoint, load_model, save_checkpoint
 from framework.errors import ConfigError
@@ -76,10 +77,12 @@ def test_strict_loading_reports_mismatched_keys_and_non_strict_loads_the_rest(tr
     with pytest.raises(CheckpointError, match=r"missing: block2\.0\.weight, block2\.0\.bias\); set finetune\.strict=false"):
         train(*deeper)
     _, run_dir = train(*deeper, "finetune.strict=false")
-    assert "loaded 6 tensors, re-initialised 0 (head), missing 2, unexpected 0, shape-mismatched 0" in (run_dir / "train.log").read_text()
+    assert "matched 6 tensors; re-initialised 2 (head 0, missing 2, shape-mismatched 0); ignored 0 from the file (none)" \
+        in (run_dir / "train.log").read_text()
     _, run_dir = train(LOW_DIGITS, f"finetune.from={source}", "model.width=48", "finetune.strict=false",
                        "trainer.max_epochs=1", *QUIET)
-    assert "loaded 0 tensors, re-initialised 2 (head), missing 0, unexpected 0, shape-mismatched 4" in (run_dir / "train.log").read_text()
+    assert "matched 0 tensors; re-initialised 6 (head 2, missing 0, shape-mismatched 4); ignored 6 from the file " \
+           "(block0.0.weight, block0.0.bias, block1.0.weight, block1.0.bias, head.weight ...)" in (run_dir / "train.log").read_text()
 
 
 def test_a_freeze_pattern_that_matches_nothing_is_refused(train, pretrained):
@@ -93,32 +96,35 @@ def test_a_model_without_head_name_needs_finetune_head_when_the_labels_change(tr
         train(HIGH_DIGITS, f"finetune.from={source}", "trainer.max_epochs=1", *QUIET)
     _, run_dir = train(HIGH_DIGITS, f"finetune.from={source}", "finetune.head=net.3", "finetune.freeze=[net.1.*]",
                        "trainer.max_epochs=1", *QUIET)
-    assert "loaded 2 tensors, re-initialised 2 (head)" in (run_dir / "train.log").read_text()
+    assert "matched 2 tensors; re-initialised 2 (head 2, missing 0, shape-mismatched 0)" in (run_dir / "train.log").read_text()
     before, after = weights(source), weights(run_dir)
     assert torch.equal(before["net.1.weight"], after["net.1.weight"]) and not torch.equal(before["net.3.weight"], after["net.3.weight"])
 
 
-def test_the_shipped_example_pair_reaches_65_percent_on_digits_5_to_9(train):
-    # digits_pretrain shortened to 3 of its 10 epochs; digits_finetune exactly as shipped.
-    quiet = ["trainer.progress_bar=false", *QUIET]
-    _, source = train("experiment=digits_pretrain", "trainer.max_epochs=3", *quiet, shrink=False)
-    metrics, run_dir = train("experiment=digits_finetune", f"finetune.from={source}", *quiet, shrink=False)
+def test_the_shipped_example_pair_beats_the_same_budget_from_scratch(train):
+    # Seed 0 of benchmarks/transfer_vs_scratch.py, which gives the mean over seeds (a single seed varies:
+    # of the 11 measured, 42 is the one where scratch wins, by 1.5 points).
+    quiet = ["seed=0", "trainer.progress_bar=false", *QUIET]
+    _, source = train("experiment=digits_pretrain", *quiet, shrink=False)
+    tuned, run_dir = train("experiment=digits_finetune", f"finetune.from={source}", *quiet, shrink=False)
+    scratch, _ = train("experiment=digits_finetune", "finetune.from=", "finetune.freeze=[]", *quiet, shrink=False)
     log = (run_dir / "train.log").read_text()
-    assert "architecture framework.model.CNN from the checkpoint" in log and "18,816 frozen parameters" in log
-    assert metrics["epoch"] == 2 and metrics["val/acc"] >= 0.65 and metrics["test/acc"] >= 0.65
+    assert "architecture framework.model.ResNet from the checkpoint" in log and "15 train / 134 val samples" in log
+    assert "Head 'head' re-initialised: the labels differ from the pretraining run" in log
+    assert tuned["epoch"] == scratch["epoch"] == 30
+    assert tuned["test/acc"] >= scratch["test/acc"] + 0.05, (tuned["test/acc"], scratch["test/acc"])
 
 
-def test_eval_reproduces_the_training_runs_metrics_exactly(train, cli, user):
+def test_eval_scores_the_test_split_and_reproduces_the_training_runs_metrics_exactly(train, cli, user):
     metrics, run_dir = train("data.classes=[1,3,5,7]", *QUIET)
-    last = cli("task=eval", f"ckpt={run_dir / 'checkpoints' / 'last.pt'}")
-    assert last.returncode == 0, last.stderr
+    best = cli("task=eval", f"ckpt={run_dir}")  # a run dir means its best checkpoint
+    assert best.returncode == 0, best.stderr
     written = read_metrics(user.runs("eval")[0])
-    assert written["val/acc"] == metrics["val/acc"] and written["val/loss"] == metrics["val/loss"]
-    assert f"val/acc {metrics['val/acc']:.6f}" in last.stdout + last.stderr
-    best, _ = train("task=eval", f"ckpt={run_dir}", shrink=False)  # a run dir means its best checkpoint
-    assert best["val/acc"] == metrics["best/val/acc"]
-    test, _ = train("task=eval", f"ckpt={run_dir}", "eval.split=test", shrink=False)
-    assert test["test/acc"] == metrics["test/acc"] and test["test/loss"] == metrics["test/loss"]
+    assert written["test/acc"] == metrics["test/acc"] and written["test/loss"] == metrics["test/loss"]
+    assert f"test/acc {metrics['test/acc']:.6f}" in best.stdout + best.stderr
+    assert "test/acc by label: 1 " in best.stdout and {"test/acc/1", "test/acc/7"} <= set(written)
+    last, _ = train("task=eval", f"ckpt={run_dir / 'checkpoints' / 'last.pt'}", "eval.split=val", shrink=False)
+    assert last["val/acc"] == metrics["val/acc"] and last["val/loss"] == metrics["val/loss"]
 
 
 def test_export_round_trip_gives_equal_outputs_without_this_project(train, tmp_path):
@@ -128,6 +134,8 @@ def test_export_round_trip_gives_equal_outputs_without_this_project(train, tmp_p
     assert metrics == {"export/max_abs_diff_weights": 0.0, "export/max_abs_diff_program": 0.0}
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["program"] == "model.pt2" and manifest["weights"] == "weights.safetensors"
+    assert manifest["labels"] == [str(digit) for digit in range(10)]
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in artifact.iterdir()), "readable by the group and others"
     original = load_model(run_dir / "checkpoints" / "best.pt")
     batch = torch.randn(5, 1, 8, 8)
     assert torch.equal(load_artifact(artifact)(batch), original(batch))
@@ -203,3 +211,8 @@ def test_unfreezing_later_under_ddp_is_refused_before_any_work(train):
 
     with pytest.raises(ConfigError, match="finetune.unfreeze_at_epoch=1 is not supported with parallel=ddp"):
         train("parallel=ddp", "finetune.freeze=[block0.*]", "finetune.unfreeze_at_epoch=1")
+
+
+def test_a_pretrain_experiment_that_leaves_no_checkpoint_stops_in_one_line(cli):
+    line = one_line_error(cli("finetune.from=outputs/nothing", "finetune.pretrain=no_such_experiment", "logger=none"))
+    assert "finetune.pretrain=no_such_experiment did not leave a checkpoint in finetune.from=outputs/nothing" in line

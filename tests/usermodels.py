@@ -9,3 +9,20 @@ class TinyNet(nn.Module):
 
     def forward(self, x):
         return self.net(x)
+
+
+class TorchvisionStyleNet(nn.Module):
+    """Named as torchvision's ResNets name their parts (conv1, bn1, layer1, fc), with no head_name:
+    a stand-in for another library's model where torchvision does not import."""
+
+    def __init__(self, num_classes: int, input_shape):
+        super().__init__()
+        self.conv1 = nn.Conv2d(input_shape[0], 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.layer1 = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.pool = nn.AdaptiveAvgPool2d(2)
+        self.fc = nn.Linear(32, num_classes)
+
+    def forward(self, x):
+        x = self.layer1(self.bn1(self.conv1(x)).relu())
+        return self.fc(self.pool(x).flatten(1))

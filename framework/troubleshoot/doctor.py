@@ -179,7 +179,8 @@ def largest_batch(trainer: Trainer, max_probe_batch: int) -> Dict[str, Any]:
     def fits(n: int) -> bool:
         index = torch.randint(len(split), (n,))
         trainer.micro_batch = n
-        failure = try_step(trainer, split.x[index].to(device), split.y[index].to(trainer.env.output_device))
+        x, y = split.take(index)
+        failure = try_step(trainer, x.to(device), y.to(trainer.env.output_device))
         probes.append({"batch": n, "fits": not failure})
         return not failure
 

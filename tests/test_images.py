@@ -1,0 +1,126 @@
+"""Image folders (data=imagefolder), other libraries' backbones (model=torchvision|timm) and their
+plain state dicts as finetune.from, walked as a user types them."""
+import json
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import aids_on_path, one_line_error, read_metrics
+from framework.checkpoint import load_checkpoint, load_model
+from framework.data import load_digits_arrays
+from framework.errors import ConfigError
+from framework.export import load_artifact
+from framework.model import import_extra
+
+QUIET = "logger=none trainer.progress_bar=false"
+DIGIT_NAMES = {0: "zero", 1: "one", 5: "five", 6: "six", 7: "seven"}
+
+
+def torchvision_imports() -> str:
+    """Why model=torchvision cannot run here, or "" when it can."""
+    try:
+        import_extra("torchvision")
+        return ""
+    except ConfigError as error:
+        return str(error)
+
+
+def write_digit_pngs(root: Path, digits, per_class: int, size: int = 32, splits=("",)) -> Path:
+    """The bundled 8x8 digits, upscaled to size x size RGB PNGs in root/[split/]<name>/NNN.png."""
+    x, y = load_digits_arrays()
+    for digit in digits:
+        images = x[y == digit]
+        for s, split in enumerate(splits):
+            folder = root / split / DIGIT_NAMES[digit]
+            folder.mkdir(parents=True)
+            for i, pixels in enumerate(images[s * per_class:(s + 1) * per_class]):
+                gray = Image.fromarray((pixels[0] * 255 / 16).astype(np.uint8)).resize((size, size), Image.Resampling.BILINEAR)
+                gray.convert("RGB").save(folder / f"{i:03d}.png")
+    return root
+
+
+def test_an_image_folder_trains_and_its_export_maps_outputs_to_labels(user, tmp_path):
+    root = write_digit_pngs(tmp_path / "images", (0, 1, 7), per_class=20, splits=("train", "val", "test"))
+    transforms = "data.transforms.resize=12 data.transforms.crop=10 'data.transforms.mean=[0.5,0.5,0.5]' 'data.transforms.std=[0.5,0.5,0.5]'"
+    trained = user.run(f"python run.py data=imagefolder data.root={root} {transforms} model=cnn lr=3e-3 batch_size=20 "
+                       f"trainer.max_epochs=15 {QUIET}")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    run_dir = user.runs("train")[-1]
+    assert "60 train / 60 val samples" in trained.stdout
+    assert load_checkpoint(run_dir / "checkpoints" / "best.pt")["classes"] == ["one", "seven", "zero"]
+    assert read_metrics(run_dir)["test/acc"] >= 0.8
+
+    exported = user.run("python run.py task=export ckpt=outputs/train")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    artifact = user.runs("export")[-1] / "artifact"
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in artifact.iterdir())
+    labels = json.loads((artifact / "manifest.json").read_text())["labels"]
+    assert labels == ["one", "seven", "zero"] == load_model(run_dir / "checkpoints" / "best.pt").classes
+    # Plain torch maps the program's outputs to labels with the manifest alone (the eval transform by hand).
+    sevens = [np.asarray(Image.open(f).resize((12, 12), Image.Resampling.BILINEAR).crop((1, 1, 11, 11)), np.float32)
+              for f in sorted((root / "test" / "seven").iterdir())]
+    x = (torch.from_numpy(np.stack(sevens) / 255).permute(0, 3, 1, 2) - 0.5) / 0.5
+    predicted = [labels[i] for i in torch.export.load(artifact / "model.pt2").module()(x).argmax(1).tolist()]
+    checkpoint = load_model(run_dir / "checkpoints" / "best.pt")
+    assert predicted == [checkpoint.classes[i] for i in checkpoint(x).argmax(1).tolist()] and predicted.count("seven") >= 10
+    assert load_artifact(artifact).classes == labels
+
+
+def test_a_plain_state_dict_finetunes_with_its_head_found_and_its_layers_frozen_by_name(user, tmp_path):
+    """The path of torchvision's and timm's weight files, with a model named like theirs."""
+    from usermodels import TorchvisionStyleNet
+
+    torch.manual_seed(0)
+    other = TorchvisionStyleNet(num_classes=1000, input_shape=(1, 8, 8))  # an ImageNet-sized head
+    torch.save(other.state_dict(), tmp_path / "backbone.pth")
+    done = user.run(f"python run.py model._target_=usermodels.TorchvisionStyleNet finetune.from={tmp_path / 'backbone.pth'} 'finetune.freeze=[layer1.*]' "
+                    f"'data.classes=[5,6,7,8,9]' trainer.max_epochs=2 {QUIET}", env=aids_on_path(user))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Head 'fc' re-initialised: the number of classes changed" in done.stdout
+    assert "matched 12 tensors; re-initialised 2 (head 2, missing 0, shape-mismatched 0); ignored 2 from the file " \
+           "(fc.weight, fc.bias)" in done.stdout
+    after = load_checkpoint(user.runs("train")[-1] / "checkpoints" / "last.pt")["model"]
+    before = other.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("layer1."))  # BatchNorm statistics too
+    assert not torch.equal(before["conv1.weight"], after["conv1.weight"]) and after["fc.weight"].shape == (5, 32)
+
+
+@pytest.mark.skipif(not torchvision_imports(), reason="torchvision imports here; the one-line error is for where it does not")
+def test_model_torchvision_without_a_working_torchvision_names_the_install_command(cli):
+    line = one_line_error(cli("model=torchvision", "model.name=resnet18"))
+    assert "pip install -c constraints.txt -e '.[torchvision]'" in line
+
+
+@pytest.mark.skipif(bool(torchvision_imports()), reason=torchvision_imports() or "")
+def test_torchvision_resnet18_pretrains_on_images_then_finetunes_from_its_plain_state_dict(user, tmp_path):
+    small = (f"model=torchvision model.name=resnet18 data.transforms.resize=32 batch_size=16 trainer.max_epochs=1 "
+             f"trainer.max_steps=2 {QUIET}")
+    source = write_digit_pngs(tmp_path / "source", (0, 1, 7), per_class=16)
+    target = write_digit_pngs(tmp_path / "target", (5, 6), per_class=16)
+    pretrained = user.run(f"python run.py data=imagefolder data.root={source} {small}")
+    assert pretrained.returncode == 0, pretrained.stderr[-3000:]
+    weights = tmp_path / "resnet18.pth"
+    torch.save(load_model(user.runs("train")[-1] / "checkpoints" / "last.pt").state_dict(), weights)  # as torchvision saves
+
+    tuned = user.run(f"python run.py data=imagefolder data.root={target} {small} finetune.from={weights} "
+                     "'finetune.freeze=[layer1.*]'")
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    assert "Head 'fc' re-initialised: the number of classes changed" in tuned.stdout
+    assert "ignored 2 from the file (fc.weight, fc.bias)" in tuned.stdout
+    run_dir = user.runs("train")[-1]
+    before, after = torch.load(weights), load_checkpoint(run_dir / "checkpoints" / "last.pt")["model"]
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("layer1."))
+    assert not torch.equal(before["layer2.0.conv1.weight"], after["layer2.0.conv1.weight"])
+
+    assert user.run("python run.py task=eval ckpt=outputs/train").returncode == 0
+    assert "test/acc/five" in read_metrics(user.runs("eval")[-1])
+    assert user.run("python run.py task=export ckpt=outputs/train").returncode == 0
+    artifact = user.runs("export")[-1] / "artifact"
+    model = load_artifact(artifact)
+    assert model.classes == ["five", "six"] and type(model).__name__ == "ResNet"
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.equal(model(x), torch.export.load(artifact / "model.pt2").module()(x))
