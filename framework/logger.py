@@ -12,7 +12,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Mapping
+from typing import Dict, Mapping
 
 import torch
 import torch.nn.functional as F
