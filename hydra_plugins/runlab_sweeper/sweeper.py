@@ -1,18 +1,36 @@
 """The Sweeper plugin class; the implementation is framework.search.sweeper."""
-from typing import Any, List
+from typing import Any, Dict, List
 
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from . import config  # noqa: F401  (registers the config schemas)
 
 
+def checked(settings: Dict[str, Any]) -> Dict[str, Any]:
+    """The settings, type-checked against RunlabSweeperConf (the config is stored untyped, see config.py)."""
+    from framework.errors import ConfigError
+
+    plain = {key: value for key, value in settings.items() if key not in ("sampler", "pruner")}
+    try:
+        OmegaConf.merge(OmegaConf.structured(config.RunlabSweeperConf), plain)
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"hydra.sweeper.{error.full_key}={error.value!r} is invalid: "
+                          f"{str(error).splitlines()[0].rstrip('.')}.") from None
+    return settings
+
+
 class RunlabSweeper(Sweeper):
     def __init__(self, **settings: Any) -> None:
+        from framework.errors import ConfigError, exit_with
         from framework.search.sweeper import StudySweeper
 
-        self.sweeper = StudySweeper(**settings)
+        try:
+            self.sweeper = StudySweeper(**checked(settings))
+        except ConfigError as error:  # Hydra would print it with a traceback
+            exit_with(error)
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.sweeper.setup(hydra_context=hydra_context, task_function=task_function, config=config)
