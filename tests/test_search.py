@@ -10,8 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from conftest import aids_on_path, read_metrics
+
+# Sweeps write only under outputs/ (git-ignored): after each test, `git status` of its copy is clean.
+pytestmark = pytest.mark.usefixtures("source_tree_stays_clean")
 
 # Seconds-long trials: 2 epochs of a one-layer MLP, CSV logs (TensorBoard where a test needs it).
 TINY = ["trainer.max_epochs=2", "trainer.progress_bar=false", "model.width=32", "model.depth=1", "batch_size=64",
@@ -53,7 +57,7 @@ def test_sweep_configs_compose_as_multiruns(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_random_sweep_runs_n_trials_and_writes_its_report(cli, user):
-    result = sweep(cli, "search=random", "hydra.sweeper.n_trials=3")
+    result = sweep(cli, "search=random", "hydra.sweeper.n_trials=3", "hydra.sweeper.export_dir=experiments")
     assert result.returncode == 0, result.stderr[-2000:]
     directory = sweep_dir(user, "train_random")
     rows = trials_table(directory)
@@ -62,6 +66,15 @@ def test_random_sweep_runs_n_trials_and_writes_its_report(cli, user):
     for number in range(3):
         assert float(rows[number]["value"]) == read_metrics(directory / str(number))["val/acc"]
     assert "Trials of study 'train_random'" in result.stdout
+    results = OmegaConf.load(directory / "optimization_results.yaml")  # as hydra-optuna-sweeper writes it
+    best = max(rows, key=lambda row: float(row["value"]))
+    assert results.name == "optuna" and results.best_value == float(best["value"])
+    assert results.best_params["lr"] == float(best["lr"])
+    # Writing into experiments/ is opt-in (hydra.sweeper.export_dir); nothing else left the sweep dir.
+    assert user.source_changes() == "?? experiments/train_random_best.yaml\n"
+    exported = user.repo / "experiments" / "train_random_best.yaml"
+    assert exported.read_text() == (directory / "experiment" / "best.yaml").read_text()
+    exported.unlink()
     # On demand, from the study alone (as for a sweep still running):
     (directory / "trials.csv").unlink()
     report = user.run("python -m framework.search.report outputs/train/multirun/train_random", timeout=120)
@@ -75,14 +88,15 @@ def test_tpe_sweep_report_and_best_experiment_reproduces_the_best_value(cli, use
     assert result.returncode == 0, result.stderr[-2000:]
     directory = sweep_dir(user, "train_tpe")
     for name in ("trials.csv", "optimization_history.png", "parallel_coordinates.png", "param_importances.png",
-                 "best.yaml"):
+                 "experiment/best.yaml", "optimization_results.yaml"):
         assert (directory / name).stat().st_size > 0, name
     rows = trials_table(directory)
     assert len(rows) == 4 and all(row["state"] == "COMPLETE" for row in rows)
     best = max(rows, key=lambda row: float(row["value"]))
-    assert (user.repo / "experiments" / "train_tpe_best.yaml").read_text() == (directory / "best.yaml").read_text()
+    hint = "python run.py --config-dir outputs/train/multirun/train_tpe experiment=best"
+    assert hint in result.stdout
 
-    again = cli("experiment=train_tpe_best")
+    again = user.run(hint)
     assert again.returncode == 0, again.stderr[-2000:]
     assert read_metrics(user.runs("train")[-1])["val/acc"] == pytest.approx(float(best["value"]), abs=1e-9)
     assert_every_trial_in_hparams_tab(directory, rows)
@@ -162,30 +176,46 @@ def test_median_pruner_stops_hopeless_trials_early(cli, user):
 
 
 @pytest.mark.timeout(400)
-def test_a_killed_sweep_resumes_to_n_trials_without_duplicates(cli, user, tmp_path):
-    args = ["search=random", "hydra.sweeper.n_trials=5", "trainer.max_epochs=3"]
+def test_a_killed_sweep_resumes_without_replay_and_reruns_its_interrupted_trial(cli, user, tmp_path):
+    args = ["search=random", "hydra.sweeper.n_trials=5", "trainer.max_epochs=4", "early_stopping.enabled=false"]
     driver = user.start(shlex.join(["python", "run.py", *TINY, *args]), tmp_path / "driver.log")
     directory = sweep_dir(user, "train_random")
-    try:
+    try:  # kill -9 once 2 trials are done and a third is mid-way, past its first checkpoint
         deadline = time.monotonic() + 200
-        while sum(state == "COMPLETE" for state in states_or_none(directory).values()) < 2:
+        while not (list(states_or_none(directory).values()).count("COMPLETE") >= 2 and checkpointed_running(directory)):
             assert driver.poll() is None and time.monotonic() < deadline, "the sweep ended before it could be killed"
-            time.sleep(0.2)
+            time.sleep(0.1)
     finally:
         driver.send_signal(signal.SIGKILL)
         driver.wait()
-    before = study_states(directory)
-    assert 2 <= list(before.values()).count("COMPLETE") < 5
+    before, params_before = study_states(directory), study_params(directory)
+    (interrupted,) = [number for number, state in before.items() if state == "RUNNING"]
 
     result = sweep(cli, *args)
     assert result.returncode == 0, result.stderr[-2000:]
-    after = study_states(directory)
-    assert list(after.values()).count("COMPLETE") == 5
-    assert all(after[number] == "COMPLETE" for number, state in before.items() if state == "COMPLETE")
-    interrupted = [n for n, state in before.items() if state == "RUNNING"]
-    assert all(after[number] == "FAIL" for number in interrupted)
-    assert len(after) == len(before) + 5 - list(before.values()).count("COMPLETE")
+    after, params_after = study_states(directory), study_params(directory)
+    # Exactly n_trials trials, every configuration a new one (no replay of the seed's first draws).
+    assert after == {number: "COMPLETE" for number in range(5)}
+    assert len(set(params_after.values())) == 5
+    assert {n: params_after[n] for n in params_before} == params_before  # kept, and re-run with its own params
+    log = (directory / str(interrupted) / "train.log").read_text()
+    assert "Resumed from" in log  # from the last.pt of its interrupted run, in its own run dir
     assert len(list(directory.glob("*/metrics.json"))) == 5
+    assert f"Trial {interrupted} did not finish in an earlier run of this sweep" in result.stdout
+
+
+def checkpointed_running(directory: Path) -> bool:
+    """Whether a RUNNING trial has written its first checkpoint."""
+    return any(state == "RUNNING" and (directory / str(number) / "checkpoints" / "last.pt").is_file()
+               for number, state in states_or_none(directory).items())
+
+
+def study_params(directory: Path):
+    """Each trial's parameters, as stored (categorical ones by index)."""
+    with sqlite3.connect(directory / "study.db") as db:
+        rows = db.execute("select number, param_name, param_value from trials join trial_params using (trial_id) "
+                          "order by param_name").fetchall()
+    return {number: tuple((name, value) for n, name, value in rows if n == number) for number, _, _ in rows}
 
 
 def states_or_none(directory: Path):
