@@ -1,18 +1,23 @@
 """Sweeps end to end: real `python run.py` multiruns of tiny digits runs, typed in a fresh copy of the repository."""
 from __future__ import annotations
 
+import contextlib
 import csv
+import os
 import shlex
+import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import aids_on_path, read_metrics
+from conftest import aids_on_path, one_line_error, read_metrics
 
 # Sweeps write only under outputs/ (git-ignored): after each test, `git status` of its copy is clean.
 pytestmark = pytest.mark.usefixtures("source_tree_stays_clean")
@@ -158,6 +163,29 @@ def test_failing_trials_are_recorded_failed_and_too_many_stop_the_sweep(cli, use
 
 
 @pytest.mark.timeout(300)
+def test_an_in_memory_sweep_of_two_objectives_reports_its_pareto_front(cli, user):
+    result = sweep(cli, "search=random", "hydra.sweeper.n_trials=3", "hydra.sweeper.storage=null",
+                   "optimized_metric=[val/acc,val/loss]", "hydra.sweeper.direction=[maximize,minimize]")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "the study lives in memory only, so this sweep cannot be resumed" in result.stdout
+    directory = sweep_dir(user, "train_random")
+    assert not (directory / "study.db").exists()
+    rows = trials_table(directory)
+    assert [row["state"] for row in rows] == ["COMPLETE"] * 3
+    points = {int(row["number"]): (float(row["val/acc"]), float(row["val/loss"])) for row in rows}
+    front = {n for n, (acc, loss) in points.items()
+             if not any(a >= acc and l <= loss and (a, l) != (acc, loss) for a, l in points.values())}
+    solutions = OmegaConf.load(directory / "optimization_results.yaml").solutions
+    assert sorted(tuple(s["values"]) for s in solutions) == sorted(points[n] for n in front)
+    assert f"Pareto front ({len(front)} trials)" in result.stdout and (directory / "pareto_front.png").stat().st_size
+    assert sorted(p.name for p in (directory / "experiment").iterdir()) == sorted(f"best_{n}.yaml" for n in front)
+    number = min(front)
+    again = user.run(f"python run.py --config-dir outputs/train/multirun/train_random experiment=best_{number}")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert read_metrics(user.runs("train")[-1])["val/acc"] == pytest.approx(points[number][0], abs=1e-9)
+
+
+@pytest.mark.timeout(300)
 def test_median_pruner_stops_hopeless_trials_early(cli, user):
     # Half the space cannot learn (lr=1e-7); after two full trials the median pruner stops those.
     result = sweep(cli, "search=random", "hydra.sweeper.n_trials=4", "hydra/sweeper/pruner=median",
@@ -225,20 +253,102 @@ def states_or_none(directory: Path):
         return {}
 
 
-@pytest.mark.timeout(300)
-def test_ray_launcher_runs_trials_in_parallel_on_two_local_cpus(cli, user):
-    # 3 trials on 2 slots: the third starts in whichever slot frees first.
-    result = sweep(cli, "search=random", "launcher=ray_local", "hydra.sweeper.n_trials=3",
-                   "hydra.sweeper.n_jobs=2", "+hydra.launcher.ray.init.num_cpus=2")
-    assert result.returncode == 0, result.stderr[-2000:]
+NAN_IN_TRIAL_1 = ["model._target_=faulty_model.FaultyMLP", "+model.trial=${search.trial}", "+model.faults={1:nan_loss}"]
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_ray_sweep_resumes_without_replay_and_records_its_diverged_trial_failed(cli, user, tmp_path):
+    # 3 trials on 2 Ray slots; trial 1 diverges (a NaN loss): FAIL, though optimized_metric is val/acc.
+    args = ["search=random", "launcher=ray_local", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2",
+            "+hydra.launcher.ray.init.num_cpus=2", "hydra.sweeper.max_failure_rate=0.5", "trainer.max_epochs=4",
+            "early_stopping.enabled=false", *NAN_IN_TRIAL_1]
+    driver = user.start(shlex.join(["python", "run.py", *TINY, *args]), tmp_path / "driver.log", env=aids_on_path(user))
     directory = sweep_dir(user, "train_random")
-    assert study_states(directory) == {0: "COMPLETE", 1: "COMPLETE", 2: "COMPLETE"}
-    for number in (0, 1, 2):
+    try:  # kill -9 once a trial has ended and another is running
+        deadline = time.monotonic() + 200
+        while not {"RUNNING", "COMPLETE"} <= set(states_or_none(directory).values()) and \
+                not {"RUNNING", "FAIL"} <= set(states_or_none(directory).values()):
+            assert driver.poll() is None and time.monotonic() < deadline, (tmp_path / "driver.log").read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)  # the driver and the Ray instance it started
+        driver.wait()
+        end_session(driver.pid)  # Ray's workers leave that process group, not its session
+    before, params_before = study_states(directory), study_params(directory)
+    assert "RUNNING" in before.values()
+
+    result = sweep(cli, *args, env=aids_on_path(user))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert study_states(directory) == {0: "COMPLETE", 1: "FAIL", 2: "COMPLETE"}
+    params_after = study_params(directory)
+    assert len(set(params_after.values())) == 3 and {n: params_after[n] for n in params_before} == params_before
+    rows = trials_table(directory)
+    assert rows[1]["error"].startswith("DivergedError: training diverged at step 1 (epoch 1): loss nan")
+    for number in (0, 2):
         assert "torch runs on 1 threads" in (directory / str(number) / "train.log").read_text()
-        assert read_metrics(directory / str(number))["epoch"] == 2
+        assert read_metrics(directory / str(number))["epoch"] == 4
     # The Ray workers reported every epoch to the shared study, which is what a pruner reads.
     with sqlite3.connect(directory / "study.db") as db:
-        assert db.execute("select count(*) from trial_intermediate_values").fetchone() == (6,)
+        assert db.execute("select count(*) from trial_intermediate_values").fetchone() == (8,)
+
+
+def end_session(session: int) -> None:
+    """SIGKILL every process left in the session a test started (its command was the session leader)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session:  # stat's 6th field; [0] is the state after the command name
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+
+
+@pytest.mark.timeout(300)
+def test_a_ray_cluster_with_token_authentication_is_joined_and_a_refused_token_is_one_line(cli, user, tmp_path):
+    # The cluster's token is this test's own (~/.ray/auth_token of a HOME of its own); Ray's temp dir
+    # too, short enough for its socket paths, so that no other Ray on this machine finds the cluster.
+    home, ray_dir = tmp_path / "home", Path(tempfile.mkdtemp(prefix="rl-", dir="/tmp"))
+    home.mkdir()
+    env, port = {"HOME": str(home)}, free_port()
+    assert user.run("ray get-auth-token --generate", env=env).returncode == 0
+    head = user.start(f"ray start --head --port={port} --num-cpus=2 --temp-dir={ray_dir} --include-dashboard=false "
+                      "--block", tmp_path / "head.log", env=env)
+    try:
+        wait_for_head(head, port, tmp_path / "head.log")
+        assert "Token authentication is enabled for this Ray cluster" in (tmp_path / "head.log").read_text()
+        address = f"+hydra.launcher.ray.init.address=127.0.0.1:{port}"
+        joined = sweep(cli, "search=random", "launcher=ray_local", address, "hydra.sweeper.n_trials=2",
+                       "hydra.sweeper.n_jobs=2", env=env)
+        assert joined.returncode == 0, joined.stderr[-2000:]
+        assert study_states(sweep_dir(user, "train_random")) == {0: "COMPLETE", 1: "COMPLETE"}
+        refused = sweep(cli, "search=random", "launcher=ray_local", address, "hydra.sweeper.study_name=refused",
+                        env={**env, "RAY_AUTH_TOKEN": "not-the-token"})
+        assert f"The Ray cluster at 127.0.0.1:{port} uses token authentication and refused the token in " \
+               "RAY_AUTH_TOKEN" in one_line_error(refused, 5)
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops its cluster
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            head.wait(timeout=60)
+        end_session(head.pid)
+        shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for_head(head: subprocess.Popen, port: int, log: Path) -> None:
+    deadline = time.monotonic() + 90
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            if "--block" in log.read_text():  # ray start prints it once the cluster is up
+                return
+        if head.poll() is not None or time.monotonic() > deadline:
+            pytest.skip(f"Ray cannot start a cluster here: {log.read_text()[-1500:]}")
+        time.sleep(0.5)
 
 
 @pytest.mark.timeout(300)

@@ -48,8 +48,9 @@ class RunlabSweeperConf:
     # The study persists here; every trial opens it to report epochs. Empty: sqlite in the sweep dir;
     # null: in memory (the stock sweeper's default), so the sweep cannot be resumed or pruned.
     storage: Optional[str] = ""
-    # Re-running the same command resumes the study of this name; null: a new study every run.
-    study_name: Optional[str] = "${name}"
+    # Re-running the same command resumes the study of this name; null (the default of apps without
+    # runlab's top-level name): a new study every run.
+    study_name: Optional[str] = "${oc.select:name,null}"
     n_trials: int = 20  # finished trials (complete, pruned or failed) the study should reach
     n_jobs: int = 1  # trials in flight at once; > 1 only helps with a parallel launcher (Ray, SLURM)
     max_failure_rate: float = 0.25  # of n_trials; one failure more and the sweep stops
