@@ -4,6 +4,7 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from hydra_plugins.hydra_ray_launcher._config import RayConf
+from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from omegaconf import MISSING, OmegaConf
 
 @dataclass
@@ -71,6 +72,14 @@ class RunlabRayLauncherConf:
     _target_: str = "hydra_plugins.runlab_sweeper.ray_launcher.RunlabRayLauncher"
     ray: RayConf = field(default_factory=RayConf)
 
+@dataclass
+class RunlabSlurmLauncherConf(SlurmQueueConf):
+    """hydra-submitit-launcher's SLURM launcher; cluster=local runs the same jobs as local processes."""
+
+    _target_: str = "hydra_plugins.runlab_sweeper.slurm_launcher.RunlabSlurmLauncher"
+    cluster: str = "slurm"  # slurm: sbatch; local: submitit's local executor, on this machine
+
+
 def register() -> None:
     store = ConfigStore.instance()
     # Stored untyped, so that ~hydra.sweeper.params can delete the space (OmegaConf refuses deletion from a
@@ -82,5 +91,6 @@ def register() -> None:
                        ("hyperband", HyperbandPrunerConfig)):
         store.store(group="hydra/sweeper/pruner", name=name, node=node, provider="runlab")
     store.store(group="hydra/launcher", name="runlab_ray", node=RunlabRayLauncherConf, provider="runlab")
+    store.store(group="hydra/launcher", name="runlab_slurm", node=RunlabSlurmLauncherConf, provider="runlab")
 
 register()
