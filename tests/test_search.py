@@ -48,6 +48,7 @@ def study_states(directory: Path):
 
 def test_sweep_configs_compose_as_multiruns(tmp_path):
     from conftest import composed
+    from hydra_plugins.runlab_sweeper.sweeper import checked
 
     grid = composed("search=grid")
     assert grid.hydra.mode.name == "MULTIRUN" and grid.hydra.sweeper.params["lr"] == "1e-3,3e-3"
@@ -58,6 +59,20 @@ def test_sweep_configs_compose_as_multiruns(tmp_path):
         assert set(cfg.hydra.sweeper.params) == {"lr", "batch_size", "model.width", "model.depth", "optimizer.weight_decay"}
     # The stock plugins stay available.
     assert composed("search=tpe", "hydra/sweeper=optuna").hydra.sweeper._target_.endswith("OptunaSweeper")
+    # The stock sweeper's settings: no space (then only the command line's sweeps), null storage and
+    # study name, a direction per objective.
+    cleared = composed("search=random", "~hydra.sweeper.params", "hydra.sweeper.storage=null",
+                       "hydra.sweeper.study_name=null", "hydra.sweeper.direction=[maximize,minimize]")
+    assert "params" not in cleared.hydra.sweeper and cleared.hydra.sweeper.storage is None
+    settings = checked({key: value for key, value in cleared.hydra.sweeper.items() if key != "_target_"})
+    assert settings["params"] is None and settings["study_name"] is None and list(settings["direction"]) == \
+        ["maximize", "minimize"]
+
+
+def test_a_sweeper_setting_of_the_wrong_type_is_one_line(cli):
+    line = one_line_error(cli("search=random", "hydra.sweeper.n_trials=abc"), 2)
+    assert line == "runlab: error: hydra.sweeper.n_trials='abc' is invalid: Value 'abc' of type 'str' could not be " \
+                   "converted to Integer."
 
 
 @pytest.mark.timeout(240)

@@ -9,17 +9,22 @@ from omegaconf.errors import OmegaConfBaseException
 from . import config  # noqa: F401  (registers the config schemas)
 
 
+INSTANTIATED = ("sampler", "pruner")  # Hydra built these already
+
+
 def checked(settings: Dict[str, Any]) -> Dict[str, Any]:
-    """The settings, type-checked against RunlabSweeperConf (the config is stored untyped, see config.py)."""
+    """The settings, type-checked against RunlabSweeperConf (the config is stored untyped, see
+    config.py), with its defaults for the keys deleted with ~ (~hydra.sweeper.params: no space)."""
     from framework.errors import ConfigError
 
-    plain = {key: value for key, value in settings.items() if key not in ("sampler", "pruner")}
+    schema = OmegaConf.structured(config.RunlabSweeperConf)
     try:
-        OmegaConf.merge(OmegaConf.structured(config.RunlabSweeperConf), plain)
+        merged = OmegaConf.merge(schema, {key: value for key, value in settings.items() if key not in INSTANTIATED})
     except OmegaConfBaseException as error:
         raise ConfigError(f"hydra.sweeper.{error.full_key}={error.value!r} is invalid: "
                           f"{str(error).splitlines()[0].rstrip('.')}.") from None
-    return settings
+    values = {key: merged[key] for key in schema if key not in ("_target_", "defaults", *INSTANTIATED)}
+    return {**values, **{key: settings.get(key) for key in INSTANTIATED}}
 
 
 class RunlabSweeper(Sweeper):
