@@ -10,6 +10,7 @@ import signal
 import socket
 import sqlite3
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import aids_on_path, one_line_error, read_metrics
+from conftest import REPO, aids_on_path, one_line_error, read_metrics
 
 # Sweeps write only under outputs/ (git-ignored): after each test, `git status` of its copy is clean.
 pytestmark = pytest.mark.usefixtures("source_tree_stays_clean")
@@ -271,76 +272,25 @@ def states_or_none(directory: Path):
 NAN_IN_TRIAL_1 = ["model._target_=faulty_model.FaultyMLP", "+model.trial=${search.trial}", "+model.faults={1:nan_loss}"]
 
 
-@pytest.mark.timeout(400)
-def test_a_killed_ray_sweep_resumes_without_replay_and_records_its_diverged_trial_failed(cli, user, tmp_path):
-    # 3 trials on 2 Ray slots; trial 1 diverges (a NaN loss): FAIL, though optimized_metric is val/acc.
-    args = ["search=random", "launcher=ray_local", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2",
-            "+hydra.launcher.ray.init.num_cpus=2", "hydra.sweeper.max_failure_rate=0.5", "trainer.max_epochs=4",
-            "early_stopping.enabled=false", *NAN_IN_TRIAL_1]
-    driver = user.start(shlex.join(["python", "run.py", *TINY, *args]), tmp_path / "driver.log", env=aids_on_path(user))
-    directory = sweep_dir(user, "train_random")
-    try:  # kill -9 once a trial has ended and another is running
-        deadline = time.monotonic() + 200
-        while not {"RUNNING", "COMPLETE"} <= set(states_or_none(directory).values()) and \
-                not {"RUNNING", "FAIL"} <= set(states_or_none(directory).values()):
-            assert driver.poll() is None and time.monotonic() < deadline, (tmp_path / "driver.log").read_text()[-3000:]
-            time.sleep(0.1)
-    finally:
-        os.killpg(driver.pid, signal.SIGKILL)  # the driver and the Ray instance it started
-        driver.wait()
-        end_session(driver.pid)  # Ray's workers leave that process group, not its session
-    before, params_before = study_states(directory), study_params(directory)
-    assert "RUNNING" in before.values()
-
-    result = sweep(cli, *args, env=aids_on_path(user))
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert study_states(directory) == {0: "COMPLETE", 1: "FAIL", 2: "COMPLETE"}
-    params_after = study_params(directory)
-    assert len(set(params_after.values())) == 3 and {n: params_after[n] for n in params_before} == params_before
-    rows = trials_table(directory)
-    assert rows[1]["error"].startswith("DivergedError: training diverged at step 1 (epoch 1): loss nan")
-    for number in (0, 2):
-        assert "torch runs on 1 threads" in (directory / str(number) / "train.log").read_text()
-        assert read_metrics(directory / str(number))["epoch"] == 4
-    # The Ray workers reported every epoch to the shared study, which is what a pruner reads.
-    with sqlite3.connect(directory / "study.db") as db:
-        assert db.execute("select count(*) from trial_intermediate_values").fetchone() == (8,)
-
-
-def end_session(session: int) -> None:
-    """SIGKILL every process left in the session a test started (its command was the session leader)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session:  # stat's 6th field; [0] is the state after the command name
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(stat.parent.name), signal.SIGKILL)
-
-
-@pytest.mark.timeout(300)
-def test_a_ray_cluster_with_token_authentication_is_joined_and_a_refused_token_is_one_line(cli, user, tmp_path):
-    # The cluster's token is this test's own (~/.ray/auth_token of a HOME of its own); Ray's temp dir
-    # too, short enough for its socket paths, so that no other Ray on this machine finds the cluster.
-    home, ray_dir = tmp_path / "home", Path(tempfile.mkdtemp(prefix="rl-", dir="/tmp"))
-    home.mkdir()
-    env, port = {"HOME": str(home)}, free_port()
-    assert user.run("ray get-auth-token --generate", env=env).returncode == 0
-    head = user.start(f"ray start --head --port={port} --num-cpus=2 --temp-dir={ray_dir} --include-dashboard=false "
-                      "--block", tmp_path / "head.log", env=env)
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A Ray cluster started with `ray start --head`, with token authentication on, for the tests
+    that join it: (its address, the environment of the commands that do). Its token is the tests'
+    own (~/.ray/auth_token of a HOME of their own), and so is Ray's temp dir, short enough for
+    Ray's socket paths: no other Ray on this machine finds the cluster."""
+    home, ray_dir = tmp_path_factory.mktemp("ray_home"), Path(tempfile.mkdtemp(prefix="rl-", dir="/tmp"))
+    log, port, ray = home / "head.log", free_port(), str(Path(sys.prefix) / "bin" / "ray")
+    # Its workers import the testing aids (faulty models) from tests/, as a user's cluster would their code.
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(REPO / "tests")}
+    subprocess.run([ray, "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
+    with open(log, "w") as output:
+        head = subprocess.Popen([ray, "start", "--head", f"--port={port}", "--num-cpus=2", f"--temp-dir={ray_dir}",
+                                 "--include-dashboard=false", "--block"], cwd=home, env=env, stdout=output,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for_head(head, port, tmp_path / "head.log")
-        assert "Token authentication is enabled for this Ray cluster" in (tmp_path / "head.log").read_text()
-        address = f"+hydra.launcher.ray.init.address=127.0.0.1:{port}"
-        joined = sweep(cli, "search=random", "launcher=ray_local", address, "hydra.sweeper.n_trials=2",
-                       "hydra.sweeper.n_jobs=2", env=env)
-        assert joined.returncode == 0, joined.stderr[-2000:]
-        assert study_states(sweep_dir(user, "train_random")) == {0: "COMPLETE", 1: "COMPLETE"}
-        refused = sweep(cli, "search=random", "launcher=ray_local", address, "hydra.sweeper.study_name=refused",
-                        env={**env, "RAY_AUTH_TOKEN": "not-the-token"})
-        assert f"The Ray cluster at 127.0.0.1:{port} uses token authentication and refused the token in " \
-               "RAY_AUTH_TOKEN" in one_line_error(refused, 5)
+        wait_for_head(head, port, log)
+        assert "Token authentication is enabled for this Ray cluster" in log.read_text()
+        yield f"127.0.0.1:{port}", {"HOME": str(home)}
     finally:
         head.send_signal(signal.SIGTERM)  # `ray start --block` stops its cluster
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -364,6 +314,64 @@ def wait_for_head(head: subprocess.Popen, port: int, log: Path) -> None:
         if head.poll() is not None or time.monotonic() > deadline:
             pytest.skip(f"Ray cannot start a cluster here: {log.read_text()[-1500:]}")
         time.sleep(0.5)
+
+
+def end_session(session: int) -> None:
+    """SIGKILL every process left in the session a test started (its command was the session leader)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session:  # stat's 6th field; [0] is the state after the command name
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+
+
+@pytest.mark.timeout(400)
+def test_a_sweep_killed_on_a_token_ray_cluster_resumes_without_replay_and_records_its_diverged_trial(
+        cli, user, tmp_path, ray_cluster):
+    # launcher=ray_local joins the cluster ray start made (token authentication on): 3 trials on its 2
+    # slots; trial 1 diverges (a NaN loss) and is FAIL, though optimized_metric is val/acc.
+    address, env = ray_cluster
+    args = ["search=random", "launcher=ray_local", f"+hydra.launcher.ray.init.address={address}",
+            "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2", "hydra.sweeper.max_failure_rate=0.5",
+            "trainer.max_epochs=4", "early_stopping.enabled=false", *NAN_IN_TRIAL_1]
+    driver = user.start(shlex.join(["python", "run.py", *TINY, *args]), tmp_path / "driver.log", env=env)
+    directory = sweep_dir(user, "train_random")
+    try:  # kill -9 once a trial has ended and another is running
+        deadline = time.monotonic() + 200
+        while not {"RUNNING", "COMPLETE"} <= set(states_or_none(directory).values()) and \
+                not {"RUNNING", "FAIL"} <= set(states_or_none(directory).values()):
+            assert driver.poll() is None and time.monotonic() < deadline, (tmp_path / "driver.log").read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+    before, params_before = study_states(directory), study_params(directory)
+    assert "RUNNING" in before.values()
+
+    result = sweep(cli, *args, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert study_states(directory) == {0: "COMPLETE", 1: "FAIL", 2: "COMPLETE"}
+    params_after = study_params(directory)
+    assert len(set(params_after.values())) == 3 and {n: params_after[n] for n in params_before} == params_before
+    rows = trials_table(directory)
+    assert rows[1]["error"].startswith("DivergedError: training diverged at step 1 (epoch 1): loss nan")
+    for number in (0, 2):
+        assert "torch runs on 1 threads" in (directory / str(number) / "train.log").read_text()
+        assert read_metrics(directory / str(number))["epoch"] == 4
+    # The Ray workers reported every epoch to the shared study, which is what a pruner reads.
+    with sqlite3.connect(directory / "study.db") as db:
+        assert db.execute("select count(*) from trial_intermediate_values").fetchone() == (8,)
+
+
+def test_a_ray_cluster_that_refuses_the_token_ends_the_sweep_in_one_line(cli, ray_cluster):
+    address, env = ray_cluster
+    refused = sweep(cli, "search=random", "launcher=ray_local", f"+hydra.launcher.ray.init.address={address}",
+                    env={**env, "RAY_AUTH_TOKEN": "not-the-token"})
+    assert f"The Ray cluster at {address} uses token authentication and refused the token in RAY_AUTH_TOKEN" in \
+        one_line_error(refused, 5)
 
 
 @pytest.mark.timeout(300)
