@@ -1,11 +1,12 @@
 """parallel=ddp: ``DistributedDataParallel``, one process per device.
 
 Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set) each process
-joins the group torchrun set up; in a job of several tasks of hydra-submitit-launcher
-(``launcher=slurm``, SLURM or its local executor) each task is a rank the same way, with those
-variables set from the job's own (SLURM_PROCID, SLURM_NTASKS, ...). Otherwise ``python run.py parallel=ddp`` spawns
-``parallel.world_size`` processes itself, on a free port per job so that the jobs of a
-multirun never collide; the Hydra job that spawned them gets rank 0's metrics back.
+joins the group torchrun set up, on one machine or several (--nnodes, --node_rank); in a job of
+several tasks of hydra-submitit-launcher (``launcher=slurm``, SLURM or its local executor) each
+task is a rank the same way, with those variables set from the job's own (SLURM_PROCID,
+SLURM_NTASKS, ...). Otherwise ``python run.py parallel=ddp`` spawns ``parallel.world_size``
+processes itself, on a free port per job so that the jobs of a multirun never collide; the
+Hydra job that spawned them gets rank 0's metrics back.
 
 Every rank reads its own slice of each global batch (data.BatchPlan), DDP averages the
 gradients, so a step equals one step of parallel=none on the whole batch. Only rank 0 logs,

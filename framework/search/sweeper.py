@@ -120,7 +120,7 @@ class StudySweeper(Sweeper):
             self.record(study, running.pop(handle), result)
             if len(failed_trials(study)) > allowed_failures:
                 slots.cancel(list(running))
-                self.mark_stopped(study, list(running.values()), "the sweep stopped on too many failures")
+                self.mark_stopped(list(running.values()), "the sweep stopped on too many failures")
                 self.finish(study)
                 raise SweepError(self.failure_summary(study, allowed_failures))
         if exhausted:
@@ -275,7 +275,7 @@ class StudySweeper(Sweeper):
         return None
 
     @staticmethod
-    def mark_stopped(study, trials: Sequence, why: str) -> None:
+    def mark_stopped(trials: Sequence, why: str) -> None:
         """The cancelled trials stay RUNNING, marked for the report; the next run of the sweep re-runs them."""
         for trial in trials:
             trial.set_user_attr(STOPPED, why)
