@@ -198,6 +198,7 @@ def test_torchrun_ddp_equals_one_device(reference, tmp_path):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.usefixtures("source_tree_stays_clean")
 def test_two_torchrun_nodes_on_localhost_equal_one_device_in_one_run_dir(reference, user, tmp_path):
     # Two machines, as a user types it on each: torchrun with node_rank 0 and 1, one process each.
     port = free_port()
@@ -217,6 +218,7 @@ def test_two_torchrun_nodes_on_localhost_equal_one_device_in_one_run_dir(referen
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.usefixtures("source_tree_stays_clean")
 def test_a_slurm_job_of_two_tasks_is_one_ddp_run_of_two_ranks(reference, user):
     # launcher=slurm with submitit's local executor: the job's two tasks are ranks 0 and 1, as on SLURM.
     done = user.run(shlex.join(["python", "run.py", "launcher=slurm", "hydra.launcher.cluster=local",
