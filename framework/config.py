@@ -172,7 +172,7 @@ class RunConfig:
     lr: float = 1e-3
     batch_size: int = 64
     device: str = "auto"  # auto: cuda if available, else cpu
-    optimized_metric: str = "val/acc"  # what run.py returns to a sweeper
+    optimized_metric: Any = "val/acc"  # what run.py returns to a sweeper: a metric, or a list of them (several objectives)
     resume: str = ""  # "" | auto | path to a checkpoint
     ckpt: str = ""  # the checkpoint for task=eval|export
     data: DataConfig = field(default_factory=DataConfig)
@@ -257,7 +257,7 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.early_stopping.patience >= 1, f"early_stopping.patience={cfg.early_stopping.patience} is invalid; it must be at least 1.")
     _require(math.isfinite(cfg.early_stopping.min_delta) and cfg.early_stopping.min_delta >= 0,
              f"early_stopping.min_delta={cfg.early_stopping.min_delta} is invalid; it must be a finite number, 0 or more.")
-    _one_of("optimized_metric", cfg.optimized_metric, known_metrics(cfg))
+    _validate_objectives(cfg.optimized_metric, known_metrics(cfg))
     for group in ("model", "optimizer"):
         _require(isinstance(cfg[group], DictConfig) and "_target_" in cfg[group], f"{group} has no _target_; pick one with {group}=NAME.")
         _importable(f"{group}._target_", cfg[group]._target_)
@@ -301,6 +301,14 @@ def _validate_model(model: DictConfig) -> None:
                  f"model.{key}={model.get(key)} is invalid; layer sizes and counts must be at least 1.")
     dropout = model.get("dropout", 0.0)
     _require(0 <= dropout < 1, f"model.dropout={dropout} is invalid; it must be at least 0 and below 1.")
+
+
+def _validate_objectives(objectives: Any, known: tuple) -> None:
+    names = list(objectives) if isinstance(objectives, ListConfig) else [objectives]
+    _require(len(names) >= 1 and len(set(names)) == len(names),
+             f"optimized_metric={objectives} is invalid; give a metric, or a list of different metrics.")
+    for name in names:
+        _one_of("optimized_metric", name, known)
 
 
 def _validate_search(search: DictConfig) -> None:

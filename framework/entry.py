@@ -10,7 +10,7 @@ import sys
 import tempfile
 from datetime import datetime
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 from omegaconf import DictConfig
 
@@ -40,19 +40,26 @@ def main(cfg: DictConfig) -> Optional[float]:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from framework.trainer import metric_value
-
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
         metrics = execute(cfg, run_dir)
-        return metric_value(metrics, cfg.optimized_metric) if cfg.task == "train" else None
+        return objective(metrics, cfg.optimized_metric) if cfg.task == "train" else None
     except RunlabError as error:
         # In a sweep the error goes to the sweeper, which records this trial as failed and goes
         # on; but Ctrl-C or SIGTERM is meant for the whole sweep.
         if hydra_cfg.mode == RunMode.MULTIRUN and not isinstance(error, Interrupted):
             raise
         exit_with(error)
+
+
+def objective(metrics: Dict[str, float], optimized_metric: Any) -> Union[float, List[float]]:
+    """The value a sweeper optimizes: the metric optimized_metric names, or one per metric it lists."""
+    from framework.trainer import metric_value
+
+    if isinstance(optimized_metric, str):
+        return metric_value(metrics, optimized_metric)
+    return [metric_value(metrics, name) for name in optimized_metric]
 
 
 def compose(overrides: List[str]) -> DictConfig:
@@ -135,6 +142,8 @@ def sweep(overrides: List[str]) -> SweepResult:
     if not str(cfg.hydra.sweeper.get("_target_", "")).endswith("RunlabSweeper"):
         raise ConfigError("framework.sweep runs the Optuna searches (search=random or search=tpe, or "
                           "hydra/sweeper=runlab); run a grid with python run.py -m instead.")
+    if cfg.hydra.sweeper.storage is None:
+        raise ConfigError("framework.sweep reads the trials from the study's storage; drop hydra.sweeper.storage=null.")
     sweep_dir = Path(cfg.hydra.sweep.dir)
     run_command([sys.executable, str(RUN_SCRIPT), *overrides])
     return SweepResult.of(load_sweep_study(sweep_dir, cfg.hydra.sweeper.study_name or ""), sweep_dir)

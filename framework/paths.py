@@ -9,6 +9,10 @@ Two resolvers are registered with the config schemas, before Hydra composes anyt
   exclusive ``mkdir``, so two runs started in the same second never share a dir. It is cached
   per config, and Hydra copies that cache into every job of a sweep, so a path is created once.
 
+- ``${runlab.study_dir:BASE,STUDY}``: a named study's sweep dir, ``BASE/STUDY``, so that the same
+  command finds its study again; with no name (``study_name: null``, a new study every run) a new
+  ``BASE/<date>_<time>`` as ``runlab.new_dir`` makes it.
+
 ``RunLock`` marks a run dir as live: ``run.lock`` holds the pid and host, under an ``flock``
 that the kernel releases when the process ends, however it ends (``kill -9`` included).
 """
@@ -18,6 +22,7 @@ import errno
 import fcntl
 import os
 import socket
+from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
@@ -54,6 +59,10 @@ def new_dir(path: str) -> str:
         exit_with(error)
 
 
+def study_dir(base: str, study_name: Optional[str]) -> str:
+    return f"{base}/{study_name}" if study_name else new_dir(f"{base}/{datetime.now():%Y-%m-%d_%H-%M-%S}")
+
+
 def unusable_dir(path: Path, error: OSError) -> str:
     if error.errno == errno.ENAMETOOLONG:
         return (f"the run dir {path} is too long for the file system ({error.strerror}); "
@@ -69,6 +78,7 @@ def register_resolvers() -> None:
     if not OmegaConf.has_resolver("runlab.cwd"):
         OmegaConf.register_new_resolver("runlab.cwd", os.getcwd, use_cache=True)
         OmegaConf.register_new_resolver("runlab.new_dir", new_dir, use_cache=True)
+        OmegaConf.register_new_resolver("runlab.study_dir", study_dir, use_cache=True)
 
 
 class RunLock:

@@ -8,7 +8,9 @@ from the checkpoint's config are logged: optimizer hyperparameters (lr, weight_d
 are set on the restored optimizer, and a new budget or schedule rebuilds the lr schedule
 for it (``Trainer.load_state``).
 
-``resume=auto`` takes the most recently written ``last.pt`` among this ``name``'s runs. A run
+``resume=auto`` takes the most recently written ``last.pt`` among this ``name``'s runs, or, for
+a job started again in its own run dir (a requeued SLURM job, a sweep trial run again after its
+sweep was interrupted), that dir's; a job of a sweep never takes another job's. A run
 whose lock is held by a live process is refused; a run with nothing left to train (its
 budget reached, or stopped early) is reported complete and trains nothing more.
 """
@@ -39,6 +41,12 @@ def checkpoint_to_resume(cfg: DictConfig, run_dir: Path) -> Optional[Path]:
     """The checkpoint ``resume`` names; None when there is nothing to resume."""
     if cfg.resume != "auto":
         return Path(cfg.resume) if cfg.resume else None
+    own = run_dir / "checkpoints" / "last.pt"
+    if own.is_file():  # this job, started again in its own run dir: a requeued SLURM job, a re-run trial
+        return own
+    if multirun_job():
+        log.info("resume=auto: this job of a sweep has no checkpoint in its own run dir; starting fresh.")
+        return None
     found = find_latest_checkpoint(Path(cfg.paths.output_dir) / cfg.name, exclude=run_dir)
     if found is None:
         log.info("resume=auto: no earlier checkpoint of %r found; starting fresh.", cfg.name)
@@ -48,6 +56,14 @@ def checkpoint_to_resume(cfg: DictConfig, run_dir: Path) -> Optional[Path]:
         raise ConfigError(f"resume=auto: the latest run of {cfg.name!r}, {shown(found.parent.parent)}, is still running "
                           f"({owner}); let it finish or stop it, then resume.")
     return found
+
+
+def multirun_job() -> bool:
+    """A job of a sweep continues only its own run dir, never another job's (the latest of its name)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:

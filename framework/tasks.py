@@ -1,6 +1,7 @@
 """What ``run.py`` does, chosen by the top-level ``task`` key."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Callable, Dict
@@ -24,7 +25,9 @@ Metrics = Dict[str, float]
 def train(cfg: DictConfig, run_dir: Path) -> Metrics:
     pretrain_if_missing(cfg)
     # The lock says "live" to resume=auto for as long as this process (the one the user started) runs.
-    with RunLock(run_dir):
+    # Ranks started outside runlab can share the run dir (the tasks of a SLURM job): rank 0 holds it.
+    lock = RunLock(run_dir) if parallel.launched_rank(cfg) == 0 else contextlib.nullcontext()
+    with lock:
         return parallel.launch(fit, cfg, run_dir)
 
 

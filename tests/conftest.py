@@ -49,7 +49,8 @@ def train(tmp_path):
 
 def copy_repository(target: Path) -> Path:
     """The project as a fresh clone has it (the files git tracks, and new ones it does not
-    ignore), with the environment `make` installed linked in as its .venv."""
+    ignore, committed to a git repository of its own), with the environment `make` installed
+    linked in as its .venv."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                             capture_output=True, check=True).stdout.decode().split("\0")
     for name in filter(None, listed):
@@ -62,6 +63,9 @@ def copy_repository(target: Path) -> Path:
         else:
             shutil.copy2(source, copy)  # keeps mtimes, so `make` sees its install as up to date
     (target / ".venv").symlink_to(Path(sys.prefix))
+    git = ["git", "-c", "user.name=runlab tests", "-c", "user.email=tests@runlab.invalid"]
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "the copy"]):
+        subprocess.run([*git, *command], cwd=target, check=True, capture_output=True)
     return target
 
 
@@ -88,6 +92,11 @@ class UserShell:
             return subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=self.repo, stdout=console,
                                     stderr=subprocess.STDOUT, env=self.env(env), start_new_session=True)
 
+    def source_changes(self) -> str:
+        """What commands changed in the source tree, as `git status` shows it (outputs/ is ignored)."""
+        return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=self.repo,
+                              capture_output=True, text=True, check=True).stdout
+
     def runs(self, name: str = "train") -> List[Path]:
         """The run dirs of ``name``, oldest first."""
         return sorted(p for p in (self.outputs / name).glob("*") if p.is_dir() and p.name != "multirun")
@@ -96,6 +105,17 @@ class UserShell:
 @pytest.fixture
 def user(tmp_path) -> UserShell:
     return UserShell(copy_repository(tmp_path / "runlab"))
+
+
+@pytest.fixture
+def source_tree_stays_clean(request):
+    """For sweep tests: whatever the test ran, `git status` of its copy shows nothing (no generated
+    experiment files, no study files outside outputs/)."""
+    user = request.getfixturevalue("user") if "user" in request.fixturenames else None
+    yield
+    if user is not None:
+        changes = user.source_changes()
+        assert not changes, f"the commands changed the source tree:\n{changes}"
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import csv
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -194,6 +195,46 @@ def test_torchrun_ddp_equals_one_device(reference, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert [p.name for p in outputs.iterdir()] == ["rank0"]  # rank 1 used rank 0's dir and removed its own
     assert_same_training(outputs / "rank0", reference, tolerance=1e-5)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.usefixtures("source_tree_stays_clean")
+def test_two_torchrun_nodes_on_localhost_equal_one_device_in_one_run_dir(reference, user, tmp_path):
+    # Two machines, as a user types it on each: torchrun with node_rank 0 and 1, one process each.
+    port = free_port()
+    nodes = [user.start(shlex.join(["torchrun", "--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=1",
+                                    "--master_addr=127.0.0.1", f"--master_port={port}", "run.py", "parallel=ddp",
+                                    *SHRINK, *EXACT]), tmp_path / f"node{rank}.log") for rank in (0, 1)]
+    try:
+        for rank, node in enumerate(nodes):
+            assert node.wait(timeout=200) == 0, (tmp_path / f"node{rank}.log").read_text()[-3000:]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    (run_dir,) = user.runs("train")  # node 1's rank used node 0's run dir and removed its own
+    assert "rank 1 of 2 joined the group at 127.0.0.1" in (tmp_path / "node1.log").read_text()
+    assert_same_training(run_dir, reference, tolerance=1e-5)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.usefixtures("source_tree_stays_clean")
+def test_a_slurm_job_of_two_tasks_is_one_ddp_run_of_two_ranks(reference, user):
+    # launcher=slurm with submitit's local executor: the job's two tasks are ranks 0 and 1, as on SLURM.
+    done = user.run(shlex.join(["python", "run.py", "launcher=slurm", "hydra.launcher.cluster=local",
+                                "hydra.launcher.tasks_per_node=2", "parallel=ddp", *SHRINK, *EXACT]), timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = user.outputs.glob("train/multirun/*/0")
+    assert [p.name for p in run_dir.parent.iterdir() if p.is_dir() and not p.name.startswith(".")] == ["0"]
+    log = (run_dir / "train.log").read_text()
+    assert "rank 0 of 2 joined the group" in log and "rank 1 of 2 joined the group" in log
+    assert_same_training(run_dir, reference, tolerance=1e-5)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.mark.timeout(240)

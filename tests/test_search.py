@@ -1,17 +1,27 @@
 """Sweeps end to end: real `python run.py` multiruns of tiny digits runs, typed in a fresh copy of the repository."""
 from __future__ import annotations
 
+import contextlib
 import csv
+import os
 import shlex
+import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from conftest import aids_on_path, read_metrics
+from conftest import REPO, aids_on_path, one_line_error, read_metrics
+
+# Sweeps write only under outputs/ (git-ignored): after each test, `git status` of its copy is clean.
+pytestmark = pytest.mark.usefixtures("source_tree_stays_clean")
 
 # Seconds-long trials: 2 epochs of a one-layer MLP, CSV logs (TensorBoard where a test needs it).
 TINY = ["trainer.max_epochs=2", "trainer.progress_bar=false", "model.width=32", "model.depth=1", "batch_size=64",
@@ -39,6 +49,7 @@ def study_states(directory: Path):
 
 def test_sweep_configs_compose_as_multiruns(tmp_path):
     from conftest import composed
+    from hydra_plugins.runlab_sweeper.sweeper import checked
 
     grid = composed("search=grid")
     assert grid.hydra.mode.name == "MULTIRUN" and grid.hydra.sweeper.params["lr"] == "1e-3,3e-3"
@@ -49,11 +60,25 @@ def test_sweep_configs_compose_as_multiruns(tmp_path):
         assert set(cfg.hydra.sweeper.params) == {"lr", "batch_size", "model.width", "model.depth", "optimizer.weight_decay"}
     # The stock plugins stay available.
     assert composed("search=tpe", "hydra/sweeper=optuna").hydra.sweeper._target_.endswith("OptunaSweeper")
+    # The stock sweeper's settings: no space (then only the command line's sweeps), null storage and
+    # study name, a direction per objective.
+    cleared = composed("search=random", "~hydra.sweeper.params", "hydra.sweeper.storage=null",
+                       "hydra.sweeper.study_name=null", "hydra.sweeper.direction=[maximize,minimize]")
+    assert "params" not in cleared.hydra.sweeper and cleared.hydra.sweeper.storage is None
+    settings = checked({key: value for key, value in cleared.hydra.sweeper.items() if key != "_target_"})
+    assert settings["params"] is None and settings["study_name"] is None and list(settings["direction"]) == \
+        ["maximize", "minimize"]
+
+
+def test_a_sweeper_setting_of_the_wrong_type_is_one_line(cli):
+    line = one_line_error(cli("search=random", "hydra.sweeper.n_trials=abc"), 2)
+    assert line == "runlab: error: hydra.sweeper.n_trials='abc' is invalid: Value 'abc' of type 'str' could not be " \
+                   "converted to Integer."
 
 
 @pytest.mark.timeout(240)
 def test_random_sweep_runs_n_trials_and_writes_its_report(cli, user):
-    result = sweep(cli, "search=random", "hydra.sweeper.n_trials=3")
+    result = sweep(cli, "search=random", "hydra.sweeper.n_trials=3", "hydra.sweeper.export_dir=experiments")
     assert result.returncode == 0, result.stderr[-2000:]
     directory = sweep_dir(user, "train_random")
     rows = trials_table(directory)
@@ -62,6 +87,15 @@ def test_random_sweep_runs_n_trials_and_writes_its_report(cli, user):
     for number in range(3):
         assert float(rows[number]["value"]) == read_metrics(directory / str(number))["val/acc"]
     assert "Trials of study 'train_random'" in result.stdout
+    results = OmegaConf.load(directory / "optimization_results.yaml")  # as hydra-optuna-sweeper writes it
+    best = max(rows, key=lambda row: float(row["value"]))
+    assert results.name == "optuna" and results.best_value == float(best["value"])
+    assert results.best_params["lr"] == float(best["lr"])
+    # Writing into experiments/ is opt-in (hydra.sweeper.export_dir); nothing else left the sweep dir.
+    assert user.source_changes() == "?? experiments/train_random_best.yaml\n"
+    exported = user.repo / "experiments" / "train_random_best.yaml"
+    assert exported.read_text() == (directory / "experiment" / "best.yaml").read_text()
+    exported.unlink()
     # On demand, from the study alone (as for a sweep still running):
     (directory / "trials.csv").unlink()
     report = user.run("python -m framework.search.report outputs/train/multirun/train_random", timeout=120)
@@ -75,14 +109,15 @@ def test_tpe_sweep_report_and_best_experiment_reproduces_the_best_value(cli, use
     assert result.returncode == 0, result.stderr[-2000:]
     directory = sweep_dir(user, "train_tpe")
     for name in ("trials.csv", "optimization_history.png", "parallel_coordinates.png", "param_importances.png",
-                 "best.yaml"):
+                 "experiment/best.yaml", "optimization_results.yaml"):
         assert (directory / name).stat().st_size > 0, name
     rows = trials_table(directory)
     assert len(rows) == 4 and all(row["state"] == "COMPLETE" for row in rows)
     best = max(rows, key=lambda row: float(row["value"]))
-    assert (user.repo / "experiments" / "train_tpe_best.yaml").read_text() == (directory / "best.yaml").read_text()
+    hint = "python run.py --config-dir outputs/train/multirun/train_tpe experiment=best"
+    assert hint in result.stdout
 
-    again = cli("experiment=train_tpe_best")
+    again = user.run(hint)
     assert again.returncode == 0, again.stderr[-2000:]
     assert read_metrics(user.runs("train")[-1])["val/acc"] == pytest.approx(float(best["value"]), abs=1e-9)
     assert_every_trial_in_hparams_tab(directory, rows)
@@ -144,6 +179,29 @@ def test_failing_trials_are_recorded_failed_and_too_many_stop_the_sweep(cli, use
 
 
 @pytest.mark.timeout(300)
+def test_an_in_memory_sweep_of_two_objectives_reports_its_pareto_front(cli, user):
+    result = sweep(cli, "search=random", "hydra.sweeper.n_trials=3", "hydra.sweeper.storage=null",
+                   "optimized_metric=[val/acc,val/loss]", "hydra.sweeper.direction=[maximize,minimize]")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "the study lives in memory only, so this sweep cannot be resumed" in result.stdout
+    directory = sweep_dir(user, "train_random")
+    assert not (directory / "study.db").exists()
+    rows = trials_table(directory)
+    assert [row["state"] for row in rows] == ["COMPLETE"] * 3
+    points = {int(row["number"]): (float(row["val/acc"]), float(row["val/loss"])) for row in rows}
+    front = {n for n, (acc, loss) in points.items()
+             if not any(a >= acc and l <= loss and (a, l) != (acc, loss) for a, l in points.values())}
+    solutions = OmegaConf.load(directory / "optimization_results.yaml").solutions
+    assert sorted(tuple(s["values"]) for s in solutions) == sorted(points[n] for n in front)
+    assert f"Pareto front ({len(front)} trials)" in result.stdout and (directory / "pareto_front.png").stat().st_size
+    assert sorted(p.name for p in (directory / "experiment").iterdir()) == sorted(f"best_{n}.yaml" for n in front)
+    number = min(front)
+    again = user.run(f"python run.py --config-dir outputs/train/multirun/train_random experiment=best_{number}")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert read_metrics(user.runs("train")[-1])["val/acc"] == pytest.approx(points[number][0], abs=1e-9)
+
+
+@pytest.mark.timeout(300)
 def test_median_pruner_stops_hopeless_trials_early(cli, user):
     # Half the space cannot learn (lr=1e-7); after two full trials the median pruner stops those.
     result = sweep(cli, "search=random", "hydra.sweeper.n_trials=4", "hydra/sweeper/pruner=median",
@@ -162,30 +220,46 @@ def test_median_pruner_stops_hopeless_trials_early(cli, user):
 
 
 @pytest.mark.timeout(400)
-def test_a_killed_sweep_resumes_to_n_trials_without_duplicates(cli, user, tmp_path):
-    args = ["search=random", "hydra.sweeper.n_trials=5", "trainer.max_epochs=3"]
+def test_a_killed_sweep_resumes_without_replay_and_reruns_its_interrupted_trial(cli, user, tmp_path):
+    args = ["search=random", "hydra.sweeper.n_trials=5", "trainer.max_epochs=4", "early_stopping.enabled=false"]
     driver = user.start(shlex.join(["python", "run.py", *TINY, *args]), tmp_path / "driver.log")
     directory = sweep_dir(user, "train_random")
-    try:
+    try:  # kill -9 once 2 trials are done and a third is mid-way, past its first checkpoint
         deadline = time.monotonic() + 200
-        while sum(state == "COMPLETE" for state in states_or_none(directory).values()) < 2:
+        while not (list(states_or_none(directory).values()).count("COMPLETE") >= 2 and checkpointed_running(directory)):
             assert driver.poll() is None and time.monotonic() < deadline, "the sweep ended before it could be killed"
-            time.sleep(0.2)
+            time.sleep(0.1)
     finally:
         driver.send_signal(signal.SIGKILL)
         driver.wait()
-    before = study_states(directory)
-    assert 2 <= list(before.values()).count("COMPLETE") < 5
+    before, params_before = study_states(directory), study_params(directory)
+    (interrupted,) = [number for number, state in before.items() if state == "RUNNING"]
 
     result = sweep(cli, *args)
     assert result.returncode == 0, result.stderr[-2000:]
-    after = study_states(directory)
-    assert list(after.values()).count("COMPLETE") == 5
-    assert all(after[number] == "COMPLETE" for number, state in before.items() if state == "COMPLETE")
-    interrupted = [n for n, state in before.items() if state == "RUNNING"]
-    assert all(after[number] == "FAIL" for number in interrupted)
-    assert len(after) == len(before) + 5 - list(before.values()).count("COMPLETE")
+    after, params_after = study_states(directory), study_params(directory)
+    # Exactly n_trials trials, every configuration a new one (no replay of the seed's first draws).
+    assert after == {number: "COMPLETE" for number in range(5)}
+    assert len(set(params_after.values())) == 5
+    assert {n: params_after[n] for n in params_before} == params_before  # kept, and re-run with its own params
+    log = (directory / str(interrupted) / "train.log").read_text()
+    assert "Resumed from" in log  # from the last.pt of its interrupted run, in its own run dir
     assert len(list(directory.glob("*/metrics.json"))) == 5
+    assert f"Trial {interrupted} did not finish in an earlier run of this sweep" in result.stdout
+
+
+def checkpointed_running(directory: Path) -> bool:
+    """Whether a RUNNING trial has written its first checkpoint."""
+    return any(state == "RUNNING" and (directory / str(number) / "checkpoints" / "last.pt").is_file()
+               for number, state in states_or_none(directory).items())
+
+
+def study_params(directory: Path):
+    """Each trial's parameters, as stored (categorical ones by index)."""
+    with sqlite3.connect(directory / "study.db") as db:
+        rows = db.execute("select number, param_name, param_value from trials join trial_params using (trial_id) "
+                          "order by param_name").fetchall()
+    return {number: tuple((name, value) for n, name, value in rows if n == number) for number, _, _ in rows}
 
 
 def states_or_none(directory: Path):
@@ -195,20 +269,109 @@ def states_or_none(directory: Path):
         return {}
 
 
-@pytest.mark.timeout(300)
-def test_ray_launcher_runs_trials_in_parallel_on_two_local_cpus(cli, user):
-    # 3 trials on 2 slots: the third starts in whichever slot frees first.
-    result = sweep(cli, "search=random", "launcher=ray_local", "hydra.sweeper.n_trials=3",
-                   "hydra.sweeper.n_jobs=2", "+hydra.launcher.ray.init.num_cpus=2")
-    assert result.returncode == 0, result.stderr[-2000:]
+NAN_IN_TRIAL_1 = ["model._target_=faulty_model.FaultyMLP", "+model.trial=${search.trial}", "+model.faults={1:nan_loss}"]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A Ray cluster started with `ray start --head`, with token authentication on, for the tests
+    that join it: (its address, the environment of the commands that do). Its token is the tests'
+    own (~/.ray/auth_token of a HOME of their own), and so is Ray's temp dir, short enough for
+    Ray's socket paths: no other Ray on this machine finds the cluster."""
+    home, ray_dir = tmp_path_factory.mktemp("ray_home"), Path(tempfile.mkdtemp(prefix="rl-", dir="/tmp"))
+    log, port, ray = home / "head.log", free_port(), str(Path(sys.prefix) / "bin" / "ray")
+    # Its workers import the testing aids (faulty models) from tests/, as a user's cluster would their code.
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(REPO / "tests")}
+    subprocess.run([ray, "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
+    with open(log, "w") as output:
+        head = subprocess.Popen([ray, "start", "--head", f"--port={port}", "--num-cpus=2", f"--temp-dir={ray_dir}",
+                                 "--include-dashboard=false", "--block"], cwd=home, env=env, stdout=output,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_head(head, port, log)
+        assert "Token authentication is enabled for this Ray cluster" in log.read_text()
+        yield f"127.0.0.1:{port}", {"HOME": str(home)}
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops its cluster
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            head.wait(timeout=60)
+        end_session(head.pid)
+        shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for_head(head: subprocess.Popen, port: int, log: Path) -> None:
+    deadline = time.monotonic() + 90
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            if "--block" in log.read_text():  # ray start prints it once the cluster is up
+                return
+        if head.poll() is not None or time.monotonic() > deadline:
+            pytest.skip(f"Ray cannot start a cluster here: {log.read_text()[-1500:]}")
+        time.sleep(0.5)
+
+
+def end_session(session: int) -> None:
+    """SIGKILL every process left in the session a test started (its command was the session leader)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session:  # stat's 6th field; [0] is the state after the command name
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+
+
+@pytest.mark.timeout(400)
+def test_a_sweep_killed_on_a_token_ray_cluster_resumes_without_replay_and_records_its_diverged_trial(
+        cli, user, tmp_path, ray_cluster):
+    # launcher=ray_local joins the cluster ray start made (token authentication on): 3 trials on its 2
+    # slots; trial 1 diverges (a NaN loss) and is FAIL, though optimized_metric is val/acc.
+    address, env = ray_cluster
+    args = ["search=random", "launcher=ray_local", f"+hydra.launcher.ray.init.address={address}",
+            "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2", "hydra.sweeper.max_failure_rate=0.5",
+            "trainer.max_epochs=4", "early_stopping.enabled=false", *NAN_IN_TRIAL_1]
+    driver = user.start(shlex.join(["python", "run.py", *TINY, *args]), tmp_path / "driver.log", env=env)
     directory = sweep_dir(user, "train_random")
-    assert study_states(directory) == {0: "COMPLETE", 1: "COMPLETE", 2: "COMPLETE"}
-    for number in (0, 1, 2):
+    try:  # kill -9 once a trial has ended and another is running
+        deadline = time.monotonic() + 200
+        while not {"RUNNING", "COMPLETE"} <= set(states_or_none(directory).values()) and \
+                not {"RUNNING", "FAIL"} <= set(states_or_none(directory).values()):
+            assert driver.poll() is None and time.monotonic() < deadline, (tmp_path / "driver.log").read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+    before, params_before = study_states(directory), study_params(directory)
+    assert "RUNNING" in before.values()
+
+    result = sweep(cli, *args, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert study_states(directory) == {0: "COMPLETE", 1: "FAIL", 2: "COMPLETE"}
+    params_after = study_params(directory)
+    assert len(set(params_after.values())) == 3 and {n: params_after[n] for n in params_before} == params_before
+    rows = trials_table(directory)
+    assert rows[1]["error"].startswith("DivergedError: training diverged at step 1 (epoch 1): loss nan")
+    for number in (0, 2):
         assert "torch runs on 1 threads" in (directory / str(number) / "train.log").read_text()
-        assert read_metrics(directory / str(number))["epoch"] == 2
+        assert read_metrics(directory / str(number))["epoch"] == 4
     # The Ray workers reported every epoch to the shared study, which is what a pruner reads.
     with sqlite3.connect(directory / "study.db") as db:
-        assert db.execute("select count(*) from trial_intermediate_values").fetchone() == (6,)
+        assert db.execute("select count(*) from trial_intermediate_values").fetchone() == (8,)
+
+
+def test_a_ray_cluster_that_refuses_the_token_ends_the_sweep_in_one_line(cli, ray_cluster):
+    address, env = ray_cluster
+    refused = sweep(cli, "search=random", "launcher=ray_local", f"+hydra.launcher.ray.init.address={address}",
+                    env={**env, "RAY_AUTH_TOKEN": "not-the-token"})
+    assert f"The Ray cluster at {address} uses token authentication and refused the token in RAY_AUTH_TOKEN" in \
+        one_line_error(refused, 5)
 
 
 @pytest.mark.timeout(300)

@@ -1,4 +1,4 @@
-"""The sweeper's scheduling, with scripted launchers: trial lengths are set and time is simulated."""
+"""The sweeper's scheduling and resumption, with scripted launchers: trial lengths are set and time is simulated."""
 from __future__ import annotations
 
 import heapq
@@ -12,7 +12,7 @@ from hydra.plugins.launcher import Launcher
 from omegaconf import OmegaConf
 
 from framework.search.slots import TrialSlots
-from framework.search.study import INTERRUPTED, load_sweep_study
+from framework.search.study import STOPPED, load_sweep_study
 from framework.search.sweeper import StudySweeper, SweepError
 
 
@@ -57,12 +57,14 @@ class RecordingLauncher(Launcher):
         return returns
 
 
-def scripted_sweeper(tmp_path, lengths: List[float], n_jobs: int, failing: Sequence[int] = ()) -> StudySweeper:
+def scripted_sweeper(tmp_path, lengths: List[float], n_jobs: int, failing: Sequence[int] = (),
+                     space: str = "interval(0.001, 0.01)", n_trials: int = 0) -> StudySweeper:
+    sampler = {"_target_": "optuna.samplers.RandomSampler", "seed": 0}
     sweeper = StudySweeper(sampler=optuna.samplers.RandomSampler(seed=0), pruner=None, direction="maximize",
-                           storage="", study_name="scripted", n_trials=len(lengths), n_jobs=n_jobs,
-                           max_failure_rate=0.0, params=OmegaConf.create({"lr": "interval(0.001, 0.01)"}),
-                           export_dir=str(tmp_path / "experiments"))
-    sweeper.config = OmegaConf.create({"hydra": {"sweeper": {"pruner": None}}})
+                           storage="", study_name="scripted", n_trials=n_trials or len(lengths), n_jobs=n_jobs,
+                           max_failure_rate=0.0, params=OmegaConf.create({"lr": space}), custom_search_space=None,
+                           export_dir="")
+    sweeper.config = OmegaConf.create({"hydra": {"sweeper": {"pruner": None, "sampler": sampler}}})
     sweeper.sweep_dir = tmp_path
     sweeper.launcher = ScriptedSlots(lengths, failing)
     return sweeper
@@ -82,15 +84,46 @@ def test_never_more_than_n_trials_are_started(tmp_path):
     assert sweeper.launcher.events == ["start 0", "start 1", "start 2", "end 0", "end 1", "end 2"]
 
 
-def test_a_sweep_stopped_by_failures_cancels_its_running_trials(tmp_path):
-    sweeper = scripted_sweeper(tmp_path, lengths=[5, 1, 1], n_jobs=2, failing=[1])
+def test_a_sweep_stopped_by_failures_cancels_its_running_trials_and_runs_them_again_when_resumed(tmp_path):
+    sweeper = scripted_sweeper(tmp_path, lengths=[5, 1, 1, 1], n_jobs=2, failing=[1])
     with pytest.raises(SweepError, match="1 of 1 trials failed"):
         sweeper.sweep([])
     assert sweeper.launcher.events == ["start 0", "start 1", "end 1", "cancel 0"]
     trials = load_sweep_study(tmp_path).trials
-    assert [t.state.name for t in trials] == ["FAIL", "FAIL"]
-    # The cancelled trial does not count: running the sweep again replaces it.
-    assert trials[0].user_attrs[INTERRUPTED] and not trials[1].user_attrs.get(INTERRUPTED)
+    assert [t.state.name for t in trials] == ["RUNNING", "FAIL"]
+    assert trials[0].user_attrs[STOPPED] == "the sweep stopped on too many failures"
+    # Run again with a higher limit: the cancelled trial runs first, with its own number and parameters.
+    again = scripted_sweeper(tmp_path, lengths=[5, 1, 1, 1], n_jobs=2, failing=[1])
+    again.max_failure_rate = 0.5
+    again.sweep([])
+    assert again.launcher.events[:2] == ["start 0", "start 2"]
+    resumed = load_sweep_study(tmp_path).trials
+    assert [t.state.name for t in resumed] == ["COMPLETE", "FAIL", "COMPLETE", "COMPLETE"]
+    assert resumed[0].params == trials[0].params and not resumed[0].user_attrs.get(STOPPED)
+
+
+def test_a_resumed_study_draws_new_configurations_instead_of_replaying_its_seed(tmp_path):
+    scripted_sweeper(tmp_path, lengths=[1] * 6, n_jobs=1, n_trials=3).sweep([])
+    scripted_sweeper(tmp_path, lengths=[1] * 6, n_jobs=1).sweep([])  # n_trials raised to 6, same seed
+    trials = load_sweep_study(tmp_path).trials
+    assert len(trials) == 6 and len({t.params["lr"] for t in trials}) == 6
+    # Drawn again from scratch, the first three repeat: the seed alone does not replay a resumed study.
+    fresh = scripted_sweeper(tmp_path / "fresh", lengths=[1] * 3, n_jobs=1)
+    fresh.sweep_dir.mkdir()
+    fresh.sweep([])
+    assert [t.params for t in load_sweep_study(tmp_path / "fresh").trials] == [t.params for t in trials[:3]]
+
+
+def test_a_tried_configuration_is_not_run_again_and_a_used_up_space_ends_the_sweep(tmp_path, caplog):
+    sweeper = scripted_sweeper(tmp_path, lengths=[1] * 100, n_jobs=1, space="choice(1, 2, 3)", n_trials=5)
+    sweeper.sweep([])
+    study = load_sweep_study(tmp_path)
+    run = [t for t in study.trials if "duplicate_of" not in t.user_attrs]
+    assert sorted(t.params["lr"] for t in run) == [1, 2, 3] and all(t.state.name == "COMPLETE" for t in run)
+    assert all(t.state.name == "FAIL" for t in study.trials if "duplicate_of" in t.user_attrs)
+    assert "no untried configuration left" in caplog.text
+    with open(tmp_path / "trials.csv") as table:  # the draws that never ran are not in the report
+        assert len(table.readlines()) == 1 + 3
 
 
 def test_other_launchers_get_the_trials_in_flight_as_one_batch(tmp_path):
@@ -99,3 +132,18 @@ def test_other_launchers_get_the_trials_in_flight_as_one_batch(tmp_path):
     sweeper.sweep([])
     assert sweeper.launcher.calls == [(0, 2), (2, 2), (4, 1)]
     assert [t.value for t in load_sweep_study(tmp_path).trials] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_batch_of_trials_numbered_apart_is_launched_so_that_each_job_keeps_its_number(tmp_path):
+    # Trial 0 was left running by an earlier run; trials 1 and 2 finished. Job numbers name run dirs,
+    # so trial 0 and the new trial 3 go to launch() separately.
+    study = optuna.create_study(study_name="scripted", storage=f"sqlite:///{tmp_path / 'study.db'}", direction="maximize")
+    left = study.ask({"lr": optuna.distributions.UniformDistribution(0.001, 0.01)})
+    for _ in range(2):
+        study.tell(study.ask({"lr": optuna.distributions.UniformDistribution(0.001, 0.01)}), 0.5)
+    sweeper = scripted_sweeper(tmp_path, lengths=[1] * 4, n_jobs=2)
+    sweeper.launcher = RecordingLauncher()
+    sweeper.sweep([])
+    assert sweeper.launcher.calls == [(0, 1), (3, 1)]
+    trials = load_sweep_study(tmp_path).trials
+    assert [t.value for t in trials] == [0.0, 0.5, 0.5, 3.0] and trials[0].params == left.params

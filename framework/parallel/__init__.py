@@ -124,6 +124,16 @@ def setup(cfg: DictConfig) -> Environment:
 Task = Callable[[DictConfig, Path, Environment], Any]
 
 
+def launched_rank(cfg: DictConfig) -> int:
+    """This process's rank when something outside runlab started the ranks (torchrun, the tasks
+    of a SLURM job): they may share one run dir. 0 otherwise."""
+    if cfg.parallel.mode != "ddp":
+        return 0
+    from framework.parallel.distributed import launched_rank as rank
+
+    return rank()
+
+
 def launch(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
     """Run ``task(cfg, run_dir, env)`` in every process the mode needs; returns rank 0's result.
 

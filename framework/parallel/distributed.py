@@ -1,9 +1,12 @@
 """parallel=ddp: ``DistributedDataParallel``, one process per device.
 
 Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set) each process
-joins the group torchrun set up. Otherwise ``python run.py parallel=ddp`` spawns
-``parallel.world_size`` processes itself, on a free port per job so that the jobs of a
-multirun never collide; the Hydra job that spawned them gets rank 0's metrics back.
+joins the group torchrun set up, on one machine or several (--nnodes, --node_rank); in a job of
+several tasks of hydra-submitit-launcher (``launcher=slurm``, SLURM or its local executor) each
+task is a rank the same way, with those variables set from the job's own (SLURM_PROCID,
+SLURM_NTASKS, ...). Otherwise ``python run.py parallel=ddp`` spawns ``parallel.world_size``
+processes itself, on a free port per job so that the jobs of a multirun never collide; the
+Hydra job that spawned them gets rank 0's metrics back.
 
 Every rank reads its own slice of each global batch (data.BatchPlan), DDP averages the
 gradients, so a step equals one step of parallel=none on the whole batch. Only rank 0 logs,
@@ -90,7 +93,27 @@ def under_torchrun() -> bool:
     return all(name in os.environ for name in TORCHRUN_VARIABLES)
 
 
+def join_job_tasks() -> None:
+    """In a submitit job of several tasks, set the torchrun variables from the job's (submitit's
+    own mapping: the first host is the master, the port follows from the job id)."""
+    if under_torchrun() or not os.environ.get("SUBMITIT_EXECUTOR"):
+        return
+    import submitit
+    from submitit.helpers import TorchDistributedEnvironment
+
+    if submitit.JobEnvironment().num_tasks > 1:
+        # Each task sees every GPU of its node and takes cuda:LOCAL_RANK (join_group).
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def launched_rank() -> int:
+    """This process's rank in a group started outside runlab (torchrun, submitit tasks); 0 otherwise."""
+    join_job_tasks()
+    return int(os.environ["RANK"]) if under_torchrun() else 0
+
+
 def launch_ddp(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
+    join_job_tasks()
     if under_torchrun():
         return join_torchrun(task, cfg, run_dir)
     return spawn_workers(task, cfg, run_dir)
@@ -158,6 +181,8 @@ def join_torchrun(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
         log.warning("parallel.world_size=%d is ignored: torchrun started %d processes.", cfg.parallel.world_size, world_size)
     check_distributed(cfg, world_size, resolve_device(cfg.device).type == "cuda")
     env = join_group(cfg, rank, world_size, int(os.environ["LOCAL_RANK"]))
+    log.info("parallel=ddp: rank %d of %d joined the group at %s:%s.", rank, world_size, os.environ["MASTER_ADDR"],
+             os.environ["MASTER_PORT"])
     try:
         run_dir = adopt_main_run_dir(env, run_dir)
         return task(cfg, run_dir, env)

@@ -2,6 +2,7 @@
 
 - ``sweeper``: the study loop behind ``hydra/sweeper=runlab`` (pruning, resume, failure tolerance);
 - ``trial``: the trainer's hook that reports each epoch to the study and asks whether to prune;
-- ``report``: the sweep report (table, plots, best trial as an experiment YAML);
-- ``ray_launcher``: hydra-ray-launcher with clear errors and a safe cluster connection.
+- ``report``: the sweep report (table, plots, optimization_results.yaml, best trials as experiment YAMLs);
+- ``ray_launcher``: hydra-ray-launcher with clear errors and a safe cluster connection;
+- ``slurm_launcher``: hydra-submitit-launcher's SLURM launcher (``launcher=slurm``), or the same jobs run locally.
 """

@@ -1,6 +1,9 @@
 """hydra-ray-launcher's local launcher (``launcher=ray_local``), made safe for sweeps.
 
-Over the stock one it: never passes ``object_store_memory`` when connecting to an existing
+Over the stock one it: starts a local instance of its own unless given an address (plain
+ray.init joins the cluster ``ray start`` last started here), joins a cluster with token
+authentication (Ray 2.60's default) with the local token and says so in one line when the
+cluster refuses it, never passes ``object_store_memory`` when connecting to an existing
 cluster (Ray refuses it there), turns a Ray that cannot start into one clear error, turns a
 trial whose worker died into a failed trial instead of a dead sweep, and hands each trial
 back as it ends, so runlab's sweeper refills a slot at once (``TrialSlots``).
@@ -11,7 +14,7 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides, setup_globals
@@ -25,6 +28,9 @@ log = logging.getLogger(__name__)
 
 # A small object store is enough (trials return one float) and fits small machines and CI.
 LOCAL_OBJECT_STORE_BYTES = 78643200
+# A GCS call every cluster answers at once, with UNAUTHENTICATED when it refuses the token (the
+# first call ray.init makes).
+GCS_PROBE = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 
 
 class RayStartError(SweepError):
@@ -43,15 +49,64 @@ def check_reachable(address: str) -> None:
                             "hydra.launcher.ray.init.address and that `ray start --head` runs there.") from None
 
 
+def cluster_token() -> Optional[str]:
+    """The token Ray would present, from where Ray looks for it: RAY_AUTH_TOKEN, the file
+    RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token (`ray get-auth-token` prints it)."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    return path.read_text().strip() if path.is_file() else None
+
+
+def check_token_accepted(address: str, token: Optional[str]) -> None:
+    """Ask the cluster's GCS once; a cluster that refuses the token would otherwise make ray.init
+    retry for ~20 s and then fail without saying why."""
+    import grpc
+
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    with grpc.insecure_channel(address) as channel:
+        try:
+            channel.unary_unary(GCS_PROBE)(b"", metadata=metadata, timeout=10)
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNAUTHENTICATED:
+                return  # not an answer about the token: ray.init reports whatever else is wrong
+            where = "RAY_AUTH_TOKEN" if os.environ.get("RAY_AUTH_TOKEN") else \
+                (os.environ.get("RAY_AUTH_TOKEN_PATH") or "~/.ray/auth_token")
+            found = f"the token in {where}" if token else "no token (RAY_AUTH_TOKEN, ~/.ray/auth_token)"
+            raise RayStartError(f"The Ray cluster at {address} uses token authentication and refused {found}; "
+                                "run `ray get-auth-token` on its head node and set RAY_AUTH_TOKEN to what it "
+                                "prints.") from None
+
+
+def join_cluster(init: dict) -> None:
+    address = str(init["address"])
+    check_reachable(address)
+    init.pop("object_store_memory", None)  # Ray rejects it when joining a running cluster
+    if address.startswith("ray://") or ":" not in address:
+        return  # Ray Client, or "auto": Ray handles these itself
+    check_token_accepted(address, cluster_token())
+    # `ray start --head` turns token authentication on whenever a token exists (a local ray.init
+    # writes one to ~/.ray), but ray.init presents the token only when it finds the cluster itself
+    # (address "auto"); for an explicit address, do what it does then.
+    try:
+        from ray._private.authentication.authentication_token_setup import \
+            maybe_enable_token_auth_if_token_available
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
 def start_ray(init: dict) -> None:
     import ray
 
     if ray.is_initialized():
         return
-    if init.get("address"):
-        check_reachable(str(init["address"]))
-        init.pop("object_store_memory", None)  # Ray rejects it when joining a running cluster
+    if init.get("address", "local") != "local":
+        join_cluster(init)
     else:
+        # "local": a new instance for this sweep; without an address, ray.init joins whatever
+        # cluster `ray start` last started on this machine.
+        init["address"] = "local"
         init.setdefault("object_store_memory", LOCAL_OBJECT_STORE_BYTES)
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     # Ray runs workers at nice 15 by default; trials are the work, not background chores, and
@@ -60,7 +115,7 @@ def start_ray(init: dict) -> None:
     try:
         ray.init(**init)
     except Exception as error:
-        where = f"the cluster at {init['address']}" if init.get("address") else "a local Ray instance"
+        where = "a local Ray instance" if init["address"] == "local" else f"the cluster at {init['address']}"
         raise RayStartError(f"Ray could not start {where} ({type(error).__name__}: {error}). Check that the address "
                             "is reachable, that /tmp has space, and the hydra.launcher.ray.init options; "
                             "or run the trials without Ray (drop launcher=ray_local).") from None

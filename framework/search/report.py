@@ -2,10 +2,18 @@
 
     python -m framework.search.report SWEEP_DIR [--export-dir experiments]
 
-- ``trials.csv`` and the same table on the terminal: number, state, value, seconds, params, error;
-- ``optimization_history.png``, ``parallel_coordinates.png``, ``param_importances.png``;
-- ``best.yaml``: the best trial as an experiment (also copied to ``--export-dir`` as
-  ``<study>_best.yaml``, so ``python run.py experiment=<study>_best`` runs it again).
+- ``trials.csv`` and the same table on the terminal: number, state, value (one column per
+  objective when there are several), seconds, params, error;
+- ``optimization_results.yaml``, as hydra-optuna-sweeper writes it (best params and value, or
+  the Pareto front's params and values);
+- one objective: ``optimization_history.png``, ``parallel_coordinates.png``,
+  ``param_importances.png``, and ``experiment/best.yaml``, the best trial as an experiment:
+  ``python run.py --config-dir SWEEP_DIR experiment=best`` runs it again;
+- several objectives: the Pareto front as a table and ``pareto_front.png``, and
+  ``experiment/best_<trial>.yaml`` for each trial on it.
+
+``--export-dir`` (``hydra.sweeper.export_dir``) also copies the experiment files there as
+``<study>_best*.yaml``, e.g. into experiments/, so that ``experiment=<study>_best`` runs it.
 """
 from __future__ import annotations
 
@@ -18,32 +26,47 @@ from typing import Dict, List, Optional
 
 from omegaconf import OmegaConf
 
-from framework.search.study import load_sweep_study
+from framework.paths import shown
+from framework.search.study import STOPPED, load_sweep_study, run_trials
 
 log = logging.getLogger(__name__)
 
 # Groups that describe where and how a sweep ran, not the trial: left out of best.yaml.
-NOT_EXPORTED = ("hydra", "paths", "search", "launcher", "experiment")
+# resume is how a trial continued its own run dir, not part of the configuration.
+NOT_EXPORTED = ("hydra", "paths", "search", "launcher", "experiment", "resume")
+EXPERIMENT_DIR = "experiment"  # in the sweep dir, as in conf/: python run.py --config-dir SWEEP_DIR experiment=best
+
+
+def objective_names(study) -> List[str]:
+    """The objectives' column names: "value", or the metrics optimized_metric listed."""
+    if len(study.directions) == 1:
+        return ["value"]
+    names = study.user_attrs.get("objectives") or []
+    return names if len(names) == len(study.directions) else [f"value{i}" for i in range(len(study.directions))]
 
 
 def trial_rows(study) -> List[Dict[str, object]]:
-    names = sorted({name for trial in study.trials for name in trial.params})
+    trials = run_trials(study)
+    names = sorted({name for trial in trials for name in trial.params})
+    objectives = objective_names(study)
     rows = []
-    for trial in study.trials:
+    for trial in trials:
         seconds = (trial.datetime_complete - trial.datetime_start).total_seconds() if trial.datetime_complete else None
-        row = {"number": trial.number, "state": trial.state.name, "value": trial.value,
-               "seconds": None if seconds is None else round(seconds, 1)}
+        row = {"number": trial.number, "state": trial.state.name}
+        row.update(zip(objectives, trial.values or [trial.value] * len(objectives)))
+        row["seconds"] = None if seconds is None else round(seconds, 1)
         row.update({name: trial.params.get(name) for name in names})
-        row["error"] = trial.user_attrs.get("error", "")
+        stopped = trial.user_attrs.get(STOPPED)
+        row["error"] = trial.user_attrs.get("error") or (f"stopped: {stopped}; it runs again with the sweep" if stopped else "")
         rows.append(row)
     return rows
 
 
 def best_trial(study):
-    """The best complete trial, or None when no trial completed."""
+    """The best complete trial, or None when no trial completed or the study has several objectives."""
     from optuna.trial import TrialState
 
-    if not any(t.state == TrialState.COMPLETE for t in study.trials):
+    if len(study.directions) > 1 or not any(t.state == TrialState.COMPLETE for t in study.trials):
         return None
     return study.best_trial
 
@@ -152,11 +175,12 @@ def plot_importances(importances: Dict[str, float], path: Path) -> None:
 
 
 def best_experiment(study, best) -> Optional[str]:
-    """The best trial's own composed config, as an experiment YAML that reproduces it."""
+    """The trial's own composed config, as an experiment YAML that reproduces it."""
     run_dir = Path(best.user_attrs.get("run_dir", ""))
     config_file, hydra_file = run_dir / ".hydra" / "config.yaml", run_dir / ".hydra" / "hydra.yaml"
     if not config_file.is_file():
-        log.warning("The best trial's run dir %s has no .hydra/config.yaml; no best.yaml written.", run_dir)
+        log.warning("Trial %d's run dir %s has no .hydra/config.yaml; no experiment file written for it.",
+                    best.number, run_dir)
         return None
     config = OmegaConf.load(config_file)
     choices = OmegaConf.load(hydra_file).hydra.runtime.choices
@@ -164,41 +188,106 @@ def best_experiment(study, best) -> Optional[str]:
               if group.split("/")[0] not in NOT_EXPORTED and choice is not None]
     body = OmegaConf.to_yaml(OmegaConf.create({"defaults": groups, **{k: v for k, v in config.items() if k not in NOT_EXPORTED}}))
     params = " ".join(f"{k}={v}" for k, v in best.params.items())
-    return (f"# @package _global_\n# The best trial (#{best.number}, value {best.value}) of study {study.study_name!r}:\n"
+    value = best.values if len(best.values or []) > 1 else best.value
+    return (f"# @package _global_\n# Trial #{best.number} (value {value}) of study {study.study_name!r}:\n"
             f"# {params}\n# Its run: {run_dir}\n{body}")
 
 
-def write_report(study, sweep_dir: Path, export_dir: str = "") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+def optimization_results(study) -> Optional[Dict[str, object]]:
+    """What hydra-optuna-sweeper writes to optimization_results.yaml; None before a trial completed."""
     from optuna.trial import TrialState
 
-    sweep_dir = Path(sweep_dir)
-    rows = trial_rows(study)
-    write_table(rows, sweep_dir / "trials.csv")
-    print(f"\nTrials of study {study.study_name!r} ({sweep_dir}):\n{format_table(rows)}\n", flush=True)
+    if not any(t.state == TrialState.COMPLETE for t in study.trials):
+        return None
+    if len(study.directions) == 1:
+        best = study.best_trial
+        return {"name": "optuna", "best_params": best.params, "best_value": best.value}
+    return {"name": "optuna", "solutions": [{"params": t.params, "values": t.values} for t in study.best_trials]}
+
+
+def plot_pareto_front(study, front, path: Path) -> None:
+    """Every complete trial and the front, one panel per pair of objectives."""
+    import itertools
+
+    import matplotlib.pyplot as plt
+    from optuna.trial import TrialState
+
+    names = objective_names(study)
     complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
-    if not complete:
-        log.warning("No trial completed; the report has only the table.")
-        return
+    pairs = list(itertools.combinations(range(len(names)), 2))
+    figure, axes = plt.subplots(1, len(pairs), figsize=(5 * len(pairs), 4), squeeze=False)
+    for axis, (i, j) in zip(axes[0], pairs):
+        axis.scatter([t.values[i] for t in complete], [t.values[j] for t in complete], color="grey", label="trial")
+        axis.scatter([t.values[i] for t in front], [t.values[j] for t in front], color="red", label="Pareto front")
+        for trial in front:
+            axis.annotate(f"#{trial.number}", (trial.values[i], trial.values[j]), fontsize=8)
+        axis.set(xlabel=f"{names[i]} ({study.directions[i].name.lower()})",
+                 ylabel=f"{names[j]} ({study.directions[j].name.lower()})")
+        axis.legend()
+    figure.suptitle(f"Pareto front of {study.study_name}")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def plot_single_objective(study, sweep_dir: Path) -> None:
+    from optuna.trial import TrialState
+
+    complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
     plot_history(study, sweep_dir / "optimization_history.png")
     names = sorted(set.intersection(*(set(t.params) for t in complete)))
     if names:
         plot_parallel_coordinates(complete, names, sweep_dir / "parallel_coordinates.png")
     if names and len(complete) >= 3:
         plot_importances(param_importances(complete, names), sweep_dir / "param_importances.png")
-    best = study.best_trial
-    experiment = best_experiment(study, best)
-    if experiment is None:
-        return
-    (sweep_dir / "best.yaml").write_text(experiment)
-    print(f"Best trial #{best.number}: {best.value} with {best.params}", flush=True)
-    if export_dir:
-        target = Path(export_dir) / f"{study.study_name}_best.yaml"
+
+
+def write_experiments(study, trials: Dict[str, object], sweep_dir: Path, export_dir: str) -> None:
+    """Each trial (by file name) as an experiment in SWEEP_DIR/experiment/, and in export_dir if given."""
+    for name, trial in trials.items():
+        experiment = best_experiment(study, trial)
+        if experiment is None:
+            continue
+        target = sweep_dir / EXPERIMENT_DIR / f"{name}.yaml"
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(experiment)
-        print(f"Run it again with: python run.py experiment={target.stem}  ({target})", flush=True)
+        print(f"Trial #{trial.number} as an experiment: python run.py --config-dir {shown(sweep_dir)} experiment={name}",
+              flush=True)
+        if export_dir:
+            exported = Path(export_dir) / f"{study.study_name}_{name}.yaml"
+            exported.parent.mkdir(parents=True, exist_ok=True)
+            exported.write_text(experiment)
+            print(f"  also: python run.py experiment={exported.stem}  ({exported})", flush=True)
+
+
+def write_report(study, sweep_dir: Path, export_dir: str = "", experiments: bool = True) -> None:
+    """The report; ``experiments``: also the best trials as runlab experiments (not for other Hydra apps)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+
+    sweep_dir = Path(sweep_dir)
+    rows = trial_rows(study)
+    write_table(rows, sweep_dir / "trials.csv")
+    print(f"\nTrials of study {study.study_name!r} ({sweep_dir}):\n{format_table(rows)}\n", flush=True)
+    results = optimization_results(study)
+    if results is None:
+        log.warning("No trial completed; the report has only the table.")
+        return
+    OmegaConf.save(OmegaConf.create(results), sweep_dir / "optimization_results.yaml")
+    if len(study.directions) == 1:
+        plot_single_objective(study, sweep_dir)
+        best = study.best_trial
+        print(f"Best trial #{best.number}: {best.value} with {best.params}", flush=True)
+        if experiments:
+            write_experiments(study, {"best": best}, sweep_dir, export_dir)
+        return
+    front = sorted(study.best_trials, key=lambda t: t.number)
+    numbers = {t.number for t in front}
+    print(f"Pareto front ({len(front)} trials):\n{format_table([r for r in rows if r['number'] in numbers])}\n", flush=True)
+    plot_pareto_front(study, front, sweep_dir / "pareto_front.png")
+    if experiments:
+        write_experiments(study, {f"best_{t.number}": t for t in front}, sweep_dir, export_dir)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

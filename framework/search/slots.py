@@ -39,10 +39,11 @@ class BatchSlots(TrialSlots):
 
     def next_finished(self, handles: List[int]) -> Tuple[int, JobReturn]:
         if not self.returned:
-            # Trials are numbered in the order they were asked, as launch() numbers its jobs.
-            numbers = sorted(self.pending)
-            returns = self.launcher.launch([self.pending.pop(n) for n in numbers], initial_job_idx=numbers[0])
-            self.returned = dict(zip(numbers, returns))
+            # launch() numbers its jobs from initial_job_idx on, and a job's number names its run dir;
+            # trials re-run after a resume break the sequence, so each unbroken run of numbers is one call.
+            for numbers in consecutive_runs(sorted(self.pending)):
+                returns = self.launcher.launch([self.pending.pop(n) for n in numbers], initial_job_idx=numbers[0])
+                self.returned.update(zip(numbers, returns))
         number = min(self.returned)
         return number, self.returned.pop(number)
 
@@ -50,3 +51,14 @@ class BatchSlots(TrialSlots):
         for number in handles:
             self.pending.pop(number, None)
             self.returned.pop(number, None)
+
+
+def consecutive_runs(numbers: List[int]) -> List[List[int]]:
+    """[0, 1, 4, 5, 7] -> [[0, 1], [4, 5], [7]]"""
+    runs: List[List[int]] = []
+    for number in numbers:
+        if runs and number == runs[-1][-1] + 1:
+            runs[-1].append(number)
+        else:
+            runs.append([number])
+    return runs

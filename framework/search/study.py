@@ -5,8 +5,11 @@ from pathlib import Path
 from typing import List
 
 STUDY_FILE = "study.db"
-# A trial the driver was running when it died; it does not count towards n_trials.
-INTERRUPTED = "interrupted"
+# A FAIL trial that never ran and does not count towards n_trials: a draw that repeated a tried
+# configuration, or (studies of earlier runlab versions) a trial cut short by a dead driver.
+NOT_RUN = ("duplicate_of", "interrupted")
+# Why a RUNNING trial is not running any more (the sweep stopped); the next run of the sweep re-runs it.
+STOPPED = "stopped"
 
 
 def default_storage(sweep_dir: Path) -> str:
@@ -21,13 +24,20 @@ def uncached(study):
     return study
 
 
+def never_ran(trial) -> bool:
+    return any(trial.user_attrs.get(marker) is not None for marker in NOT_RUN)
+
+
+def run_trials(study) -> List:
+    """Every trial but the draws that never ran."""
+    return [t for t in study.get_trials(deepcopy=False) if not never_ran(t)]
+
+
 def finished_trials(study) -> List:
-    """Complete, pruned and failed trials, without those cut short by a dead driver."""
+    """Complete, pruned and failed trials (those that count towards n_trials)."""
     from optuna.trial import TrialState
 
-    return [t for t in study.get_trials(deepcopy=False)
-            if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
-            or (t.state == TrialState.FAIL and not t.user_attrs.get(INTERRUPTED))]
+    return [t for t in run_trials(study) if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)]
 
 
 def failed_trials(study) -> List:
@@ -42,7 +52,8 @@ def load_sweep_study(sweep_dir: Path, study_name: str = ""):
 
     path = Path(sweep_dir) / STUDY_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; give the sweep dir of a hydra/sweeper=runlab sweep.")
+        raise FileNotFoundError(f"{path} does not exist; give the sweep dir of a hydra/sweeper=runlab sweep "
+                                "with a stored study (hydra.sweeper.storage=null keeps it in memory).")
     storage = default_storage(sweep_dir)
     if not study_name:
         names = [summary.study_name for summary in optuna.get_all_study_summaries(storage)]

@@ -1,14 +1,20 @@
 """The study loop behind ``hydra/sweeper=runlab``.
 
-It is hydra-optuna-sweeper's loop (same samplers, same ``interval``/``choice``/``range``
-search-space syntax) with what that one lacks:
+It is hydra-optuna-sweeper's loop (the same samplers, search-space syntax ``interval``/``choice``/
+``range``, and settings: ``storage: null`` for an in-memory study, ``study_name: null``,
+``custom_search_space``, a list of directions for several objectives, ``optimization_results.yaml``)
+with what that one lacks:
 
 - every trial is a normal run that can open the study and report each epoch, so the
   study's pruner can stop it (framework/search/trial.py);
 - the study is stored (sqlite in the sweep dir by default), so re-running the same command
-  continues it: finished trials are kept and the total reaches ``n_trials``;
-- a trial that raises (OOM included) or returns NaN is recorded as failed with its error and
-  the sweep goes on, until more than ``max_failure_rate * n_trials`` trials have failed;
+  continues it, without replaying it: the sampler's seed is derived from its ``seed`` and the
+  trials already in the study, a draw that repeats a configuration already tried is not run,
+  and a trial the previous run left running is run again, once, with its own parameters
+  (continuing from the last.pt in its run dir);
+- a trial that raises (a diverged or out-of-memory run included) or returns NaN is recorded as
+  failed with its error, and the sweep goes on until more than ``max_failure_rate * n_trials``
+  trials have failed;
 - at the end a report is written to the sweep dir (framework/search/report.py).
 """
 from __future__ import annotations
@@ -17,24 +23,29 @@ import functools
 import logging
 import math
 import traceback
+import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from framework.entry import CONF_DIR
-from framework.errors import SweepError
+from framework.errors import ConfigError, SweepError
 from framework.search.slots import BatchSlots, TrialSlots
-from framework.search.study import INTERRUPTED, default_storage, failed_trials, finished_trials, uncached
+from framework.search.study import (STOPPED, default_storage, failed_trials, finished_trials, run_trials,
+                                    uncached)
 
 log = logging.getLogger(__name__)
 
 OOM_MARKERS = ("out of memory", "can't allocate memory")
+DIRECTIONS = ("minimize", "maximize")
+# Draws in a row that repeat tried configurations before the space counts as exhausted.
+MAX_DRAWS = 30
 
 
 def describe_error(error: BaseException) -> str:
@@ -51,19 +62,25 @@ def save_traceback(result: JobReturn) -> None:
     path.write_text("".join(traceback.format_exception(type(error), error, error.__traceback__)))
 
 
+def configuration(params: Dict[str, Any]) -> Tuple:
+    return tuple(sorted(params.items()))
+
+
+def as_list(value: Any) -> List[Any]:
+    return list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+
+
 class StudySweeper(Sweeper):
-    def __init__(self, sampler: Any, pruner: Any, direction: str, storage: str, study_name: str, n_trials: int,
-                 n_jobs: int, max_failure_rate: float, params: Optional[DictConfig], export_dir: str) -> None:
-        if isinstance(sampler, functools.partial):  # GridSampler needs the space up front
-            raise ValueError("hydra/sweeper/sampler=grid is not supported by hydra/sweeper=runlab; use search=grid "
-                             "(Hydra's basic sweeper) or hydra/sweeper=optuna.")
-        if not 0.0 <= max_failure_rate <= 1.0:
-            raise ValueError(f"hydra.sweeper.max_failure_rate={max_failure_rate} is invalid; use a fraction from 0 to 1.")
-        self.sampler, self.pruner, self.direction = sampler, pruner, direction
+    def __init__(self, sampler: Any, pruner: Any, direction: Any, storage: Optional[str], study_name: Optional[str],
+                 n_trials: int, n_jobs: int, max_failure_rate: float, params: Optional[DictConfig],
+                 custom_search_space: Optional[str], export_dir: str, search_space: Optional[DictConfig] = None) -> None:
+        self.sampler, self.pruner = sampler, pruner
+        # Stock configs may hold optuna's Direction enum; runlab's hold the strings.
+        self.directions = [str(getattr(d, "name", d)) for d in as_list(direction)]
         self.storage, self.study_name = storage, study_name
         self.n_trials, self.n_jobs, self.max_failure_rate = n_trials, max(1, n_jobs), max_failure_rate
-        self.params = params
-        self.export_dir = export_dir or str((CONF_DIR / "experiment").resolve())
+        self.params, self.custom_search_space, self.export_dir = params, custom_search_space, export_dir
+        self.deprecated_space = search_space
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config = config
@@ -71,35 +88,107 @@ class StudySweeper(Sweeper):
                                                                 task_function=task_function)
         self.sweep_dir = Path(config.hydra.sweep.dir)
 
-    def sweep(self, arguments: List[str]) -> None:
-        from framework.search.report import write_report
+    @property
+    def runlab_app(self) -> bool:
+        """Whether the trials are runs of runlab's run.py (other Hydra apps can use this sweeper too)."""
+        return "search" in self.config
 
-        space_args = [f"{key}={value}" for key, value in (self.params or {}).items()]
-        space, fixed = create_params_from_overrides(space_args + list(arguments))
-        for name in fixed:
-            space.pop(name, None)
+    def sweep(self, arguments: List[str]) -> None:
+        self.check()
+        extend_space = self.space_extension()
+        space, fixed = self.search_space(arguments)
         study = self.open_study()
-        self.mark_interrupted(study, "the previous sweep driver stopped during this trial")
+        left = self.left_running(study, space)
         slots = self.launcher if isinstance(self.launcher, TrialSlots) else BatchSlots(self.launcher)
         allowed_failures = math.floor(self.max_failure_rate * self.n_trials)
         running: Dict[Any, Any] = {}  # launcher handle -> Optuna trial
+        exhausted = False
         while True:
             # Keep n_jobs trials in flight: a slot freed by a short (pruned, failed) trial gets the
             # next one at once instead of waiting for the slowest trial of a batch.
             unstarted = self.n_trials - len(finished_trials(study)) - len(running)
             for _ in range(min(self.n_jobs - len(running), unstarted)):
-                trial = study.ask()
-                running[slots.submit(self.trial_overrides(trial, space, fixed), trial.number)] = trial
+                rerun = bool(left)
+                trial = left.pop(0) if rerun else self.draw(study, space, extend_space)
+                if trial is None:
+                    exhausted = True
+                    break
+                running[slots.submit(self.trial_overrides(trial, fixed, rerun), trial.number)] = trial
             if not running:
                 break
             handle, result = slots.next_finished(list(running))
             self.record(study, running.pop(handle), result)
             if len(failed_trials(study)) > allowed_failures:
                 slots.cancel(list(running))
-                self.mark_interrupted(study, "the sweep stopped on too many failures")
-                write_report(study, self.sweep_dir, self.export_dir)
+                self.mark_stopped(list(running.values()), "the sweep stopped on too many failures")
+                self.finish(study)
                 raise SweepError(self.failure_summary(study, allowed_failures))
-        write_report(study, self.sweep_dir, self.export_dir)
+        if exhausted:
+            log.warning("The search space has no untried configuration left (%d draws in a row repeated tried "
+                        "ones); the sweep ends with %d trials.", MAX_DRAWS, len(finished_trials(study)))
+        self.finish(study)
+
+    def finish(self, study) -> None:
+        from framework.search.report import write_report
+
+        write_report(study, self.sweep_dir, self.export_dir, experiments=self.runlab_app)
+
+    # --- settings and search space ---------------------------------------------------------
+
+    def check(self) -> None:
+        """Refuse settings that cannot work, in one sentence (before any trial starts)."""
+        if isinstance(self.sampler, functools.partial):  # GridSampler needs the space up front
+            raise ConfigError("hydra/sweeper/sampler=grid is not supported by hydra/sweeper=runlab; use search=grid "
+                              "(Hydra's basic sweeper) or hydra/sweeper=optuna.")
+        if not 0.0 <= self.max_failure_rate <= 1.0:
+            raise ConfigError(f"hydra.sweeper.max_failure_rate={self.max_failure_rate} is invalid; use a fraction from 0 to 1.")
+        if any(direction not in DIRECTIONS for direction in self.directions):
+            raise ConfigError(f"hydra.sweeper.direction={self.directions} is invalid; use minimize or maximize, "
+                              "or a list of them, one per objective.")
+        objectives = as_list(self.config.get("optimized_metric")) if "optimized_metric" in self.config else None
+        if objectives is not None and len(objectives) != len(self.directions):
+            raise ConfigError(f"optimized_metric={objectives} has {len(objectives)} metrics but hydra.sweeper.direction="
+                              f"{self.directions} has {len(self.directions)} directions; give one direction per metric.")
+        if self.pruner is not None and (self.storage is None or len(self.directions) > 1 or not self.runlab_app):
+            raise ConfigError("a pruner needs a stored study with one objective, which runlab's run.py reports to "
+                              "every epoch; drop hydra/sweeper/pruner, or set hydra.sweeper.storage and one direction.")
+
+    def space_extension(self) -> Optional[Callable[[DictConfig, Any], None]]:
+        """hydra.sweeper.custom_search_space: a function(cfg, trial) that suggests more parameters."""
+        if not self.custom_search_space:
+            return None
+        from hydra.utils import get_method
+
+        try:
+            return get_method(self.custom_search_space)
+        except Exception as error:
+            raise ConfigError(f"hydra.sweeper.custom_search_space={self.custom_search_space!r} cannot be imported "
+                              f"({describe_error(error)}); give the dotted path of a function(cfg, trial).") from None
+
+    def search_space(self, arguments: List[str]) -> Tuple[Dict[str, Any], List[str]]:
+        """The distributions to draw from, and the overrides every trial gets as they are."""
+        params = [f"{key}={value}" for key, value in (self.params or {}).items()]
+        parsed = OverridesParser.create().parse_overrides(params + list(arguments))
+        # A deletion (~key) is for every trial; Optuna's parser would turn it into key=null.
+        deletions = [override.input_line for override in parsed if override.is_delete()]
+        space, fixed = create_params_from_overrides([o.input_line for o in parsed if not o.is_delete()])
+        space = {**self.configured_space(), **space}
+        for name in fixed:
+            space.pop(name, None)
+        return space, [*(f"{name}={value}" for name, value in fixed.items()), *deletions]
+
+    def configured_space(self) -> Dict[str, Any]:
+        """hydra.sweeper.search_space, the stock sweeper's deprecated form of params, as it treats it."""
+        from hydra_plugins.hydra_optuna_sweeper._impl import create_optuna_distribution_from_config
+
+        if self.deprecated_space is None:
+            return {}
+        if self.params is not None:
+            warnings.warn("Both hydra.sweeper.params and hydra.sweeper.search_space are configured; "
+                          "hydra.sweeper.params defines the search space.")
+            return {}
+        warnings.warn("hydra.sweeper.search_space is deprecated (Hydra 1.2); write the space as hydra.sweeper.params.")
+        return {str(name): create_optuna_distribution_from_config(spec) for name, spec in self.deprecated_space.items()}
 
     # --- the study ---------------------------------------------------------------------
 
@@ -107,54 +196,132 @@ class StudySweeper(Sweeper):
         import optuna
 
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
-        self.storage = self.storage or default_storage(self.sweep_dir)
-        study = uncached(optuna.create_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
-                                             pruner=self.pruner, direction=self.direction, load_if_exists=True))
+        if self.storage == "":
+            self.storage = default_storage(self.sweep_dir)
+        try:
+            study = uncached(optuna.create_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
+                                                 pruner=self.pruner, directions=self.directions, load_if_exists=True))
+        except ValueError as error:  # the stored study has other directions
+            raise ConfigError(f"hydra.sweeper.direction={self.directions} does not fit the stored study "
+                              f"{self.study_name!r} ({error}); keep its directions, or start a new study with "
+                              "another hydra.sweeper.study_name.") from None
+        study.sampler = self.continued_sampler(study)
         # Trials run in their own processes and build the pruner from this attribute.
         pruner_cfg = self.config.hydra.sweeper.pruner
         study.set_user_attr("pruner", OmegaConf.to_container(pruner_cfg, resolve=True) if pruner_cfg else None)
-        done = len(finished_trials(study))
-        log.info("Study %r in %s: %d of %d trials done; sampler %s, pruner %s.", study.study_name, self.storage,
-                 done, self.n_trials, type(self.sampler).__name__, type(self.pruner).__name__ if self.pruner else "none")
+        if "optimized_metric" in self.config:  # the report names the objectives' columns after them
+            study.set_user_attr("objectives", [str(name) for name in as_list(self.config.optimized_metric)])
+        log.info("Study %r in %s: %d of %d trials done; sampler %s, pruner %s.", study.study_name,
+                 self.storage or "memory", len(finished_trials(study)), self.n_trials, type(study.sampler).__name__,
+                 type(self.pruner).__name__ if self.pruner else "none")
+        if self.storage is None:
+            log.warning("hydra.sweeper.storage is null: the study lives in memory only, so this sweep cannot be "
+                        "resumed and its trials cannot report to it; the report is written when it ends.")
+        elif self.study_name is None:
+            log.warning("hydra.sweeper.study_name is null: this run starts a new study, %r, that the next run of "
+                        "the command will not continue; name the study to resume it.", study.study_name)
         return study
 
-    @staticmethod
-    def mark_interrupted(study, why: str) -> None:
-        """Fail the trials still RUNNING, flagged interrupted: they do not count towards n_trials,
-        so the next run of the sweep command replaces them."""
+    def continued_sampler(self, study):
+        """The sampler, seeded for this run: a resumed study continues with new draws instead of
+        replaying the seed's sequence from its start (which repeats the first trials)."""
+        from hydra.utils import instantiate
+        import numpy as np
+
+        sampler_cfg = self.config.hydra.sweeper.sampler
+        if not study.trials or sampler_cfg.get("seed") is None:
+            return study.sampler
+        seed = int(np.random.SeedSequence([sampler_cfg.seed, len(study.trials)]).generate_state(1)[0])
+        log.info("The study has %d trials: the sampler continues with seed %d, derived from seed %d and that count.",
+                 len(study.trials), seed, sampler_cfg.seed)
+        return instantiate(sampler_cfg, seed=seed)
+
+    def left_running(self, study, space: Dict[str, Any]) -> List:
+        """The trials an earlier run of this sweep left RUNNING (its driver was killed, or it stopped on
+        failures): each runs again, once, with its own parameters. One killed before its parameters
+        were drawn never ran; it is recorded so, and a new draw replaces it."""
+        import optuna
         from optuna.trial import TrialState
 
-        for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            study._storage.set_trial_user_attr(trial._trial_id, INTERRUPTED, True)
-            study._storage.set_trial_user_attr(trial._trial_id, "error", f"interrupted: {why}")
-            study._storage.set_trial_state(trial._trial_id, TrialState.FAIL)
-            log.warning("Trial %d was interrupted (%s); a new trial replaces it when the sweep runs again.",
-                        trial.number, why)
+        left = []
+        for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            trial = optuna.trial.Trial(study, frozen._trial_id)
+            if not set(space) <= set(frozen.params):
+                trial.set_user_attr("interrupted", "before its parameters were drawn")
+                study.tell(trial, state=TrialState.FAIL)
+                continue
+            trial.set_user_attr(STOPPED, None)
+            log.warning("Trial %d did not finish in an earlier run of this sweep; it runs again with its parameters %s.",
+                        frozen.number, frozen.params)
+            left.append(trial)
+        return left
 
-    def trial_overrides(self, trial, space: Dict[str, Any], fixed: Dict[str, str]) -> Sequence[str]:
-        for name, distribution in space.items():
-            trial._suggest(name, distribution)
-        # The trial finds its study through these, to report epochs and ask whether to stop.
-        identity = [f"search.study_name='{trial.study.study_name}'", f"search.storage='{self.storage}'",
-                    f"search.trial={trial.number}"]
-        return (*(f"{name}={value}" for name, value in trial.params.items()),
-                *(f"{name}={value}" for name, value in fixed.items()), *identity)
+    def draw(self, study, space: Dict[str, Any], extend_space: Optional[Callable]) -> Optional[Any]:
+        """A new trial whose configuration no complete, pruned or running trial has; None when
+        MAX_DRAWS draws in a row repeated one (a small discrete space is used up)."""
+        from optuna.trial import TrialState
+
+        tried = {configuration(t.params): t.number for t in run_trials(study) if t.state != TrialState.FAIL}
+        for _ in range(MAX_DRAWS):
+            trial = study.ask(space)
+            if extend_space:
+                extend_space(self.config, trial)
+            repeated = tried.get(configuration(trial.params))
+            if repeated is None:
+                return trial
+            # Told FAIL and marked, so that it counts for nothing and the report leaves it out.
+            trial.set_user_attr("duplicate_of", repeated)
+            study.tell(trial, state=TrialState.FAIL)
+        return None
+
+    @staticmethod
+    def mark_stopped(trials: Sequence, why: str) -> None:
+        """The cancelled trials stay RUNNING, marked for the report; the next run of the sweep re-runs them."""
+        for trial in trials:
+            trial.set_user_attr(STOPPED, why)
+            log.warning("Trial %d was stopped (%s); it runs again when the sweep runs again.", trial.number, why)
+
+    def trial_overrides(self, trial, fixed: List[str], rerun: bool) -> List[str]:
+        overrides = [*(f"{name}={value}" for name, value in trial.params.items()), *fixed]
+        if self.runlab_app and self.storage is not None:
+            # The trial finds its study through these, to report epochs and ask whether to stop.
+            overrides += [f"search.study_name='{trial.study.study_name}'", f"search.storage='{self.storage}'",
+                          f"search.trial={trial.number}"]
+        if rerun and self.runlab_app:
+            overrides.append("resume=auto")  # its own run dir: continue from the last.pt its first run wrote
+        return overrides
+
+    # --- results -------------------------------------------------------------------------
 
     def record(self, study, trial, result: JobReturn) -> None:
         from optuna.trial import TrialState
 
+        if result.hydra_cfg is not None:  # the report reads the run's config from here
+            trial.set_user_attr("run_dir", str(result.hydra_cfg.hydra.runtime.output_dir))
         if result.status == JobStatus.FAILED:
             save_traceback(result)
             return self.fail(study, trial, describe_error(result._return_value))
-        value = result.return_value
-        if value is None or not math.isfinite(float(value)):
-            return self.fail(study, trial, f"the run returned {value} for its optimized_metric")
+        values, problem = self.objective_values(result.return_value)
+        if problem:
+            return self.fail(study, trial, problem)
         if study._storage.get_trial(trial._trial_id).user_attrs.get("pruned_at_epoch") is not None:
             study.tell(trial, state=TrialState.PRUNED)
             log.info("Trial %d pruned: %s", trial.number, trial.params)
         else:
-            study.tell(trial, float(value))
-            log.info("Trial %d finished with %s: %s", trial.number, value, trial.params)
+            study.tell(trial, values)
+            log.info("Trial %d finished with %s: %s", trial.number, values if len(values) > 1 else values[0], trial.params)
+
+    def objective_values(self, returned: Any) -> Tuple[List[float], str]:
+        """The run's return value as one float per direction, or why it cannot be recorded."""
+        try:
+            values = [float(value) for value in as_list(returned)]
+        except (TypeError, ValueError):
+            return [], f"the run returned {returned!r} for its optimized_metric, not a number"
+        if len(values) != len(self.directions):
+            return [], f"the run returned {len(values)} values for {len(self.directions)} directions"
+        if not all(math.isfinite(value) for value in values):
+            return [], f"the run returned {returned} for its optimized_metric"
+        return values, ""
 
     @staticmethod
     def fail(study, trial, error: str) -> None:

@@ -32,7 +32,7 @@ class NoTrial:
 
 
 class SweepTrial(NoTrial):
-    def __init__(self, search: DictConfig, optimized_metric: str, run_dir: Path):
+    def __init__(self, search: DictConfig, optimized_metric: Any):
         import optuna
         from hydra.utils import instantiate
 
@@ -43,9 +43,9 @@ class SweepTrial(NoTrial):
         self.trial = optuna.trial.Trial(study, trial_id)
         self.number = search.trial
         self.pruner_name = type(study.pruner).__name__
-        # best/<m> is not known per epoch; its per-epoch value is <m>.
-        self.metric = optimized_metric.removeprefix("best/")
-        self.trial.set_user_attr("run_dir", str(run_dir))
+        # best/<m> is not known per epoch; its per-epoch value is <m>. Several objectives: Optuna
+        # cannot prune (the sweeper refuses a pruner then), so nothing is reported.
+        self.metric = optimized_metric.removeprefix("best/") if isinstance(optimized_metric, str) else None
 
     def report(self, metrics: Mapping[str, float], epoch: int) -> str:
         """Report this epoch's value; returns why the run should stop, or ""."""
@@ -102,4 +102,4 @@ def sweep_trial(cfg: DictConfig, run_dir: Path, is_main: bool) -> NoTrial:
         return NoTrial()
     if cfg.search.trial < 0:
         return hydra_sweep_job(run_dir) or NoTrial()
-    return SweepTrial(cfg.search, cfg.optimized_metric, run_dir)
+    return SweepTrial(cfg.search, cfg.optimized_metric)

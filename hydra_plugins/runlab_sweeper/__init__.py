@@ -1,4 +1,4 @@
-"""runlab's Hydra plugins: ``hydra/sweeper=runlab`` and ``hydra/launcher=runlab_ray``.
+"""runlab's Hydra plugins: ``hydra/sweeper=runlab``, ``hydra/launcher=runlab_ray`` and ``runlab_slurm``.
 
 Hydra discovers them in the ``hydra_plugins`` namespace package; the code lives in
 framework/search/, this package only registers it.

@@ -4,7 +4,8 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from hydra_plugins.hydra_ray_launcher._config import RayConf
-from omegaconf import MISSING
+from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
+from omegaconf import MISSING, OmegaConf
 
 @dataclass
 class PrunerConfig:
@@ -36,22 +37,33 @@ class HyperbandPrunerConfig(PrunerConfig):
 
 @dataclass
 class RunlabSweeperConf:
-    """Optuna, as the stock hydra-optuna-sweeper, plus pruning, resume, failure tolerance and a report."""
+    """Optuna, as the stock hydra-optuna-sweeper (its configs work here), plus pruning, resume
+    without replay, failure tolerance and a report."""
 
     _target_: str = "hydra_plugins.runlab_sweeper.sweeper.RunlabSweeper"
     defaults: List[Any] = field(default_factory=lambda: ["_self_", {"sampler": "tpe"}, {"pruner": None}])
-    sampler: Any = MISSING  # hydra/sweeper/sampler=tpe|random|cmaes|... (hydra-optuna-sweeper's)
+    sampler: Any = MISSING  # hydra/sweeper/sampler=tpe|random|cmaes|nsgaii|... (hydra-optuna-sweeper's)
     pruner: Optional[PrunerConfig] = None  # hydra/sweeper/pruner=median|successive_halving|hyperband
-    direction: str = "maximize"  # of optimized_metric
-    # The study persists here; every trial opens it to report epochs. Empty: sqlite in the sweep dir.
-    storage: str = ""
-    study_name: str = "${name}"  # re-running the same command resumes the study of this name
+    # Of optimized_metric; a list (one per metric) when optimized_metric lists several: [maximize, minimize].
+    direction: Any = "maximize"
+    # The study persists here; every trial opens it to report epochs. Empty: sqlite in the sweep dir;
+    # null: in memory (the stock sweeper's default), so the sweep cannot be resumed or pruned.
+    storage: Optional[str] = ""
+    # Re-running the same command resumes the study of this name; null (the default of apps without
+    # runlab's top-level name): a new study every run.
+    study_name: Optional[str] = "${oc.select:name,null}"
     n_trials: int = 20  # finished trials (complete, pruned or failed) the study should reach
-    n_jobs: int = 1  # trials in flight at once; > 1 only helps with a parallel launcher (Ray)
+    n_jobs: int = 1  # trials in flight at once; > 1 only helps with a parallel launcher (Ray, SLURM)
     max_failure_rate: float = 0.25  # of n_trials; one failure more and the sweep stops
     params: Optional[Dict[str, str]] = None  # the search space, in Hydra's override syntax
-    # Where the best trial's experiment YAML goes (run it with experiment=<study_name>_best).
-    export_dir: str = ""  # "": the project's experiments/
+    # The dotted path of a function(cfg, trial) that suggests more parameters (as the stock sweeper's).
+    custom_search_space: Optional[str] = None
+    # Also write the best trial's experiment YAML here as <study_name>_best.yaml (e.g. experiments, so that
+    # experiment=<study_name>_best runs it). Empty: only in the sweep dir, as experiment/best.yaml.
+    export_dir: str = ""
+    # The stock sweeper's deprecated form of params ({name: {type, low, high, ...}}); params wins over it.
+    search_space: Optional[Dict[str, Any]] = None
+
 
 @dataclass
 class RunlabRayLauncherConf:
@@ -60,12 +72,25 @@ class RunlabRayLauncherConf:
     _target_: str = "hydra_plugins.runlab_sweeper.ray_launcher.RunlabRayLauncher"
     ray: RayConf = field(default_factory=RayConf)
 
+@dataclass
+class RunlabSlurmLauncherConf(SlurmQueueConf):
+    """hydra-submitit-launcher's SLURM launcher; cluster=local runs the same jobs as local processes."""
+
+    _target_: str = "hydra_plugins.runlab_sweeper.slurm_launcher.RunlabSlurmLauncher"
+    cluster: str = "slurm"  # slurm: sbatch; local: submitit's local executor, on this machine
+
+
 def register() -> None:
     store = ConfigStore.instance()
-    store.store(group="hydra/sweeper", name="runlab", node=RunlabSweeperConf, provider="runlab")
+    # Stored untyped, so that ~hydra.sweeper.params can delete the space (OmegaConf refuses deletion from a
+    # dataclass node); keys still cannot be misspelt (struct mode), and RunlabSweeper checks the values
+    # against RunlabSweeperConf.
+    store.store(group="hydra/sweeper", name="runlab", node=OmegaConf.to_container(OmegaConf.structured(RunlabSweeperConf)),
+                provider="runlab")
     for name, node in (("median", MedianPrunerConfig), ("successive_halving", SuccessiveHalvingPrunerConfig),
                        ("hyperband", HyperbandPrunerConfig)):
         store.store(group="hydra/sweeper/pruner", name=name, node=node, provider="runlab")
     store.store(group="hydra/launcher", name="runlab_ray", node=RunlabRayLauncherConf, provider="runlab")
+    store.store(group="hydra/launcher", name="runlab_slurm", node=RunlabSlurmLauncherConf, provider="runlab")
 
 register()
