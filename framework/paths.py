@@ -8,7 +8,6 @@ Two resolvers are registered with the config schemas, before Hydra composes anyt
 - ``${runlab.new_dir:PATH}``: creates PATH, or ``PATH_1``, ``PATH_2``, ... if it exists, with an
   exclusive ``mkdir``, so two runs started in the same second never share a dir. It is cached
   per config, and Hydra copies that cache into every job of a sweep, so a path is created once.
-
 - ``${runlab.study_dir:BASE,STUDY}``: a named study's sweep dir, ``BASE/STUDY``, so that the same
   command finds its study again; with no name (``study_name: null``, a new study every run) a new
   ``BASE/<date>_<time>`` as ``runlab.new_dir`` makes it.
@@ -18,19 +17,22 @@ that the kernel releases when the process ends, however it ends (``kill -9`` inc
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import errno
 import fcntl
 import os
 import socket
 from datetime import datetime
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 from omegaconf import OmegaConf
 
 from framework.errors import ConfigError, exit_with
 
 LOCK_FILE = "run.lock"
+RESOLVED_DIRS: List[Path] = []  # created by the runlab.new_dir resolver in this process
 
 
 def create_run_dir(path: str) -> str:
@@ -54,9 +56,21 @@ def new_dir(path: str) -> str:
     """The ``runlab.new_dir`` resolver: Hydra resolves it in its own set-up, where an exception
     would end in a traceback, so a failure ends the process with its one line here."""
     try:
-        return create_run_dir(path)
+        created = create_run_dir(path)
     except ConfigError as error:
         exit_with(error)
+    RESOLVED_DIRS.append(Path(created))
+    return created
+
+
+@atexit.register
+def remove_unused_dirs() -> None:
+    """A config file that sets ``hydra.sweep.dir`` (the search presets) replaces the default by a
+    merge, and OmegaConf resolves the replaced value while merging: that dir is created too.
+    Left empty, it goes when the process ends (rmdir removes nothing else)."""
+    for path in RESOLVED_DIRS:
+        with contextlib.suppress(OSError):
+            path.rmdir()
 
 
 def study_dir(base: str, study_name: Optional[str]) -> str:
