@@ -30,7 +30,7 @@ import pytest
 from conftest import REPO, UserShell, copy_repository
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
-TENSORBOARD_URL = "http://localhost:6006"
+SERVING = re.compile(r"TensorBoard \S+ at (http://\S+/) ")
 
 
 @dataclass
@@ -106,17 +106,20 @@ def run_transcript(user: UserShell, transcript: Transcript, where: str) -> None:
 
 
 def serve_tensorboard(user: UserShell, command: str, log: Path, where: str) -> None:
+    """The server answers at the address it prints (6006, or the next free port: other tests may
+    hold 6006)."""
     server = user.start(command, log)
     try:
         deadline = time.monotonic() + 90
         while True:
             assert server.poll() is None, f"{where}: `{command}` exited:\n{log.read_text()[-3000:]}"
+            printed = SERVING.search(log.read_text())
             try:
-                with urllib.request.urlopen(TENSORBOARD_URL, timeout=5) as page:
+                with urllib.request.urlopen(printed.group(1), timeout=5) as page:
                     assert page.status == 200
                     return
-            except OSError:
-                assert time.monotonic() < deadline, f"{where}: `{command}` did not answer on {TENSORBOARD_URL}"
+            except (OSError, AttributeError):  # not serving yet, or not yet said where
+                assert time.monotonic() < deadline, f"{where}: `{command}` did not answer:\n{log.read_text()[-3000:]}"
                 time.sleep(0.5)
     finally:
         server.send_signal(signal.SIGINT)
