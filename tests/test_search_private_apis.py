@@ -10,7 +10,6 @@ import inspect
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import optuna
 import pytest
@@ -19,10 +18,9 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, LogUniformDistribution, UniformDistribution
 from optuna.trial import TrialState
 
+from conftest import REPO
 from framework.search.private_apis import (distribution_from_config, job_error, parse_sweep_overrides,
                                            set_submitit_executor, trial_by_number, uncached)
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_an_uncached_study_sees_what_a_trial_process_wrote_to_a_trial_the_driver_created(tmp_path):
