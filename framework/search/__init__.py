@@ -5,4 +5,5 @@
 - ``report``: the sweep report (table, plots, optimization_results.yaml, best trials as experiment YAMLs);
 - ``ray_launcher``: hydra-ray-launcher with clear errors and a safe cluster connection;
 - ``slurm_launcher``: hydra-submitit-launcher's SLURM launcher (``launcher=slurm``), or the same jobs run locally.
+- ``private_apis``: the only private Optuna, Hydra-plugin and Ray APIs search/ uses, each pinned by a test.
 """

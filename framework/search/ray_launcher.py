@@ -22,6 +22,7 @@ from hydra_plugins.hydra_ray_launcher.ray_launcher import RayLauncher
 from omegaconf import OmegaConf, open_dict
 
 from framework.errors import SweepError, exit_with
+from framework.search.private_apis import launch_job_on_ray, present_ray_token
 from framework.search.slots import TrialSlots
 
 log = logging.getLogger(__name__)
@@ -88,12 +89,7 @@ def join_cluster(init: dict) -> None:
     # `ray start --head` turns token authentication on whenever a token exists (a local ray.init
     # writes one to ~/.ray), but ray.init presents the token only when it finds the cluster itself
     # (address "auto"); for an explicit address, do what it does then.
-    try:
-        from ray._private.authentication.authentication_token_setup import \
-            maybe_enable_token_auth_if_token_available
-    except ImportError:  # a Ray without token authentication
-        return
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    present_ray_token()
 
 
 def start_ray(init: dict) -> None:
@@ -131,9 +127,6 @@ class ClearRayLauncher(RayLauncher, TrialSlots):
         return [self.result(run) for run in runs]
 
     def submit(self, overrides: Sequence[str], number: int):
-        # Imported here: Hydra imports every plugin module on start-up, and Ray costs ~0.4 s.
-        from hydra_plugins.hydra_ray_launcher._launcher_util import launch_job_on_ray
-
         setup_globals()
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         start_ray(OmegaConf.to_container(self.ray_cfg.init, resolve=True))

@@ -18,6 +18,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmitit
 from omegaconf import OmegaConf
 
 from framework.errors import ConfigError, SweepError, exit_with
+from framework.search.private_apis import set_submitit_executor
 
 CLUSTERS = ("slurm", "local")
 # What submitit's local executor takes of the SLURM settings: the shared ones, and requeues.
@@ -30,13 +31,14 @@ class SlurmOrLocalLauncher(BaseSubmititLauncher):
             exit_with(ConfigError(f"hydra.launcher.cluster={cluster!r} is not allowed; choose slurm, or local to run "
                                   "the jobs as processes on this machine."))
         super().__init__(**(params if cluster == "slurm" else {k: v for k, v in params.items() if k in LOCAL_KEYS}))
-        self._EXECUTOR = cluster  # submitit's executor, and the prefix of its executor-specific settings
+        self.cluster = cluster
+        set_submitit_executor(self, cluster)  # also the prefix of submitit's executor-specific settings
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         """submitit's launch, with what a user can act on in one line (in Hydra's machinery, hence exit_with)."""
         from submitit.core.utils import FailedJobError, UncompletedJobError
 
-        if self._EXECUTOR == "slurm" and not (shutil.which("sbatch") and shutil.which("srun")):
+        if self.cluster == "slurm" and not (shutil.which("sbatch") and shutil.which("srun")):
             exit_with(ConfigError("launcher=slurm submits with SLURM's sbatch and srun, which are not on PATH here; run "
                                   "it on a login node of your cluster, or run the jobs on this machine with "
                                   "hydra.launcher.cluster=local."))

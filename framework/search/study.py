@@ -4,6 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List
 
+from framework.search.private_apis import uncached
+
 STUDY_FILE = "study.db"
 # A FAIL trial that never ran and does not count towards n_trials: a draw that repeated a tried
 # configuration, or (studies of earlier runlab versions) a trial cut short by a dead driver.
@@ -15,13 +17,6 @@ STOPPED = "stopped"
 def default_storage(sweep_dir: Path) -> str:
     # sqlite waits up to a minute for a lock, so trials in other processes can write alongside the driver.
     return f"sqlite:///{Path(sweep_dir).resolve() / STUDY_FILE}?timeout=60"
-
-
-def uncached(study):
-    """The study reading its storage directly: Optuna's cache would hide from the driver what the
-    trials, in other processes, wrote (intermediate values, pruning, run dirs)."""
-    study._storage = getattr(study._storage, "_backend", study._storage)
-    return study
 
 
 def never_ran(trial) -> bool:

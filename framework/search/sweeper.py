@@ -32,13 +32,13 @@ from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
-from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from framework.errors import ConfigError, SweepError
+from framework.search.private_apis import (distribution_from_config, job_error, parse_sweep_overrides,
+                                           trial_by_number, uncached)
 from framework.search.slots import BatchSlots, TrialSlots
-from framework.search.study import (STOPPED, default_storage, failed_trials, finished_trials, run_trials,
-                                    uncached)
+from framework.search.study import STOPPED, default_storage, failed_trials, finished_trials, run_trials
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def save_traceback(result: JobReturn) -> None:
     """The failed trial's traceback, in its run dir as error.txt (Hydra keeps only the exception)."""
     if result.hydra_cfg is None:  # the job never started (a Ray worker died)
         return
-    error = result._return_value
+    error = job_error(result)
     path = Path(result.hydra_cfg.hydra.runtime.output_dir) / "error.txt"
     path.write_text("".join(traceback.format_exception(type(error), error, error.__traceback__)))
 
@@ -171,7 +171,7 @@ class StudySweeper(Sweeper):
         parsed = OverridesParser.create().parse_overrides(params + list(arguments))
         # A deletion (~key) is for every trial; Optuna's parser would turn it into key=null.
         deletions = [override.input_line for override in parsed if override.is_delete()]
-        space, fixed = create_params_from_overrides([o.input_line for o in parsed if not o.is_delete()])
+        space, fixed = parse_sweep_overrides([o.input_line for o in parsed if not o.is_delete()])
         space = {**self.configured_space(), **space}
         for name in fixed:
             space.pop(name, None)
@@ -179,8 +179,6 @@ class StudySweeper(Sweeper):
 
     def configured_space(self) -> Dict[str, Any]:
         """hydra.sweeper.search_space, the stock sweeper's deprecated form of params, as it treats it."""
-        from hydra_plugins.hydra_optuna_sweeper._impl import create_optuna_distribution_from_config
-
         if self.deprecated_space is None:
             return {}
         if self.params is not None:
@@ -188,7 +186,7 @@ class StudySweeper(Sweeper):
                           "hydra.sweeper.params defines the search space.")
             return {}
         warnings.warn("hydra.sweeper.search_space is deprecated (Hydra 1.2); write the space as hydra.sweeper.params.")
-        return {str(name): create_optuna_distribution_from_config(spec) for name, spec in self.deprecated_space.items()}
+        return {str(name): distribution_from_config(spec) for name, spec in self.deprecated_space.items()}
 
     # --- the study ---------------------------------------------------------------------
 
@@ -240,12 +238,11 @@ class StudySweeper(Sweeper):
         """The trials an earlier run of this sweep left RUNNING (its driver was killed, or it stopped on
         failures): each runs again, once, with its own parameters. One killed before its parameters
         were drawn never ran; it is recorded so, and a new draw replaces it."""
-        import optuna
         from optuna.trial import TrialState
 
         left = []
         for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            trial = optuna.trial.Trial(study, frozen._trial_id)
+            trial = trial_by_number(study, frozen.number)
             if not set(space) <= set(frozen.params):
                 trial.set_user_attr("interrupted", "before its parameters were drawn")
                 study.tell(trial, state=TrialState.FAIL)
@@ -300,11 +297,12 @@ class StudySweeper(Sweeper):
             trial.set_user_attr("run_dir", str(result.hydra_cfg.hydra.runtime.output_dir))
         if result.status == JobStatus.FAILED:
             save_traceback(result)
-            return self.fail(study, trial, describe_error(result._return_value))
+            return self.fail(study, trial, describe_error(job_error(result)))
         values, problem = self.objective_values(result.return_value)
         if problem:
             return self.fail(study, trial, problem)
-        if study._storage.get_trial(trial._trial_id).user_attrs.get("pruned_at_epoch") is not None:
+        # Written by the trial's own process (trial.py): only an uncached trial reads it from the storage.
+        if trial.user_attrs.get("pruned_at_epoch") is not None:
             study.tell(trial, state=TrialState.PRUNED)
             log.info("Trial %d pruned: %s", trial.number, trial.params)
         else:

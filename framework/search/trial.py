@@ -36,11 +36,12 @@ class SweepTrial(NoTrial):
         import optuna
         from hydra.utils import instantiate
 
+        from framework.search.private_apis import trial_by_number
+
         study = optuna.load_study(study_name=search.study_name, storage=search.storage)
         pruner_cfg = study.user_attrs.get("pruner")
         study.pruner = instantiate(pruner_cfg) if pruner_cfg else optuna.pruners.NopPruner()
-        trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, search.trial)
-        self.trial = optuna.trial.Trial(study, trial_id)
+        self.trial = trial_by_number(study, search.trial)
         self.number = search.trial
         self.pruner_name = type(study.pruner).__name__
         # best/<m> is not known per epoch; its per-epoch value is <m>. Several objectives: Optuna

@@ -1,0 +1,81 @@
+"""Every private API of Optuna, the Hydra plugins, submitit's launcher and Ray that search/ relies on.
+
+The rest of search/ uses public APIs only. Each function here does a job the libraries offer
+no public way to do, at the pinned versions (optuna 2.10, hydra-core 1.3, hydra-optuna-sweeper 1.3,
+hydra-ray-launcher 1.2, hydra-submitit-launcher 1.2, ray 2.60).
+tests/test_search_private_apis.py pins what each one relies on, so that an upgrade that breaks
+one fails a test named after it instead of a sweep. The imports wait for the first call: Hydra
+imports every plugin module on start-up and the trainer imports search/ on every run, sweep or
+not, and Ray alone costs ~0.4 s.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+from hydra.core.utils import JobReturn
+
+
+def uncached(study):
+    """The study reading its storage directly. Optuna wraps an RDB storage in a cache that keeps
+    each trial this process created as this process last wrote it, which would hide from the
+    driver what the trials, in other processes, wrote (intermediate values, pruning, run dirs)."""
+    study._storage = getattr(study._storage, "_backend", study._storage)
+    return study
+
+
+def trial_by_number(study, number: int):
+    """The live ``Trial`` (report, should_prune, set_user_attr) of a trial the study already
+    holds: Optuna hands one out only from ``study.ask``, for a new or an enqueued trial, never a
+    running one."""
+    import optuna
+
+    trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
+    return optuna.trial.Trial(study, trial_id)
+
+
+def job_error(result: JobReturn) -> BaseException:
+    """The exception a failed Hydra job raised. ``JobReturn.return_value`` re-raises it, after
+    printing "Error executing job with overrides" to stderr for every failed trial."""
+    return result._return_value
+
+
+def parse_sweep_overrides(overrides: List[str]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """hydra-optuna-sweeper's reading of overrides: the swept ones (``choice``, ``range``,
+    ``interval``, tags) as Optuna distributions, and the plain ones as values. runlab's sweeper
+    takes the stock search-space syntax exactly as the stock sweeper does."""
+    from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
+
+    return create_params_from_overrides(overrides)
+
+
+def distribution_from_config(spec: Any):
+    """hydra-optuna-sweeper's reading of one entry of its deprecated ``search_space`` setting."""
+    from hydra_plugins.hydra_optuna_sweeper._impl import create_optuna_distribution_from_config
+
+    return create_optuna_distribution_from_config(spec)
+
+
+def launch_job_on_ray(hydra_context, ray_remote, sweep_config, task_function, singleton_state):
+    """hydra-ray-launcher's start of one job as a Ray task; returns its ObjectRef at once
+    (the launcher's public ``launch`` waits for all its jobs)."""
+    from hydra_plugins.hydra_ray_launcher._launcher_util import launch_job_on_ray as launch
+
+    return launch(hydra_context, ray_remote, sweep_config, task_function, singleton_state)
+
+
+def present_ray_token() -> None:
+    """Make ray.init present the local token to an explicit address, as it does for a cluster it
+    finds itself (address "auto"): Ray's own step then, which also refreshes the config Ray has
+    already cached in this process."""
+    try:
+        from ray._private.authentication.authentication_token_setup import \
+            maybe_enable_token_auth_if_token_available
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def set_submitit_executor(launcher, executor: str) -> None:
+    """hydra-submitit-launcher picks submitit's executor ("slurm" or "local") by a class attribute,
+    one per launcher class; runlab's one launcher picks it per instance."""
+    launcher._EXECUTOR = executor

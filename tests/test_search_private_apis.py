@@ -1,0 +1,117 @@
+"""What framework/search/private_apis.py relies on in Optuna, the Hydra plugins, submitit's launcher and Ray.
+
+One test per function there: an upgrade that changes the private behaviour fails the test
+named after it. The sweeps that use them end to end are in test_search.py, test_slurm.py and
+test_sweep_scheduling.py.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+
+import optuna
+import pytest
+from hydra.core.utils import JobReturn, JobStatus
+from omegaconf import OmegaConf
+from optuna.distributions import CategoricalDistribution, LogUniformDistribution, UniformDistribution
+from optuna.trial import TrialState
+
+from conftest import REPO
+from framework.search.private_apis import (distribution_from_config, job_error, parse_sweep_overrides,
+                                           set_submitit_executor, trial_by_number, uncached)
+
+
+def test_an_uncached_study_sees_what_a_trial_process_wrote_to_a_trial_the_driver_created(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    driver = optuna.create_study(study_name="study", storage=storage)
+    before = driver.ask()
+    uncached(driver)
+    after = driver.ask()
+    for number in (before.number, after.number):  # what trial.py does in the trial's own process
+        in_trial_process = trial_by_number(optuna.load_study(study_name="study", storage=storage), number)
+        in_trial_process.report(0.5, step=1)
+        in_trial_process.set_user_attr("pruned_at_epoch", 1)
+    # Optuna's cache keeps a trial as the process that created it last wrote it: why uncached exists.
+    assert before.user_attrs == {}
+    assert after.user_attrs == {"pruned_at_epoch": 1}
+    assert [t.intermediate_values for t in driver.trials] == [{1: 0.5}, {1: 0.5}]
+
+
+def test_trial_by_number_is_the_running_trial_with_its_params_and_can_be_told(tmp_path):
+    study = uncached(optuna.create_study(study_name="study", storage=f"sqlite:///{tmp_path / 'study.db'}"))
+    asked = study.ask({"lr": UniformDistribution(0.0, 1.0)})
+    study.ask()
+
+    trial = trial_by_number(study, asked.number)
+
+    assert (trial.number, trial.params) == (asked.number, asked.params)
+    trial.set_user_attr("run_dir", "outputs/0")
+    study.tell(trial, state=TrialState.FAIL)
+    told = study.trials[asked.number]
+    assert (told.state, told.user_attrs) == (TrialState.FAIL, {"run_dir": "outputs/0"})
+    assert study.trials[1].state == TrialState.RUNNING
+
+
+def test_job_error_is_the_exception_a_failed_job_raised_without_hydras_stderr_line(capsys):
+    error = ValueError("diverged")
+    result = JobReturn(overrides=["lr=1"], status=JobStatus.FAILED)
+    result.return_value = error
+
+    assert job_error(result) is error
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="diverged"):
+        result.return_value  # the public way: re-raises, and prints a line per failed trial
+    assert "Error executing job with overrides: ['lr=1']" in capsys.readouterr().err
+
+
+def test_the_stock_sweep_syntax_becomes_distributions_and_plain_values():
+    space, fixed = parse_sweep_overrides(["lr=tag(log,interval(1e-4,1e-1))", "width=choice(32,64)", "seed=3"])
+
+    assert space == {"lr": LogUniformDistribution(1e-4, 1e-1), "width": CategoricalDistribution([32, 64])}
+    assert fixed == {"seed": "3"}  # as typed: the sweeper hands them on to every trial as overrides
+    spec = OmegaConf.create({"type": "float", "low": 1, "high": 100, "log": True})
+    assert distribution_from_config(spec) == LogUniformDistribution(1, 100)
+
+
+def test_the_ray_launchers_job_start_takes_what_the_runlab_launcher_passes():
+    from hydra_plugins.hydra_ray_launcher._launcher_util import launch_job_on_ray
+
+    assert list(inspect.signature(launch_job_on_ray).parameters) == [
+        "hydra_context", "ray_remote", "sweep_config", "task_function", "singleton_state"]
+
+
+@pytest.mark.parametrize("token, mode", [("a-token", "token"), (None, "None")])
+def test_present_ray_token_turns_token_authentication_on_only_when_a_token_exists(tmp_path, token, mode):
+    # In a process of its own: Ray caches its config and the token for the whole process.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env.update(HOME=str(tmp_path), **({"RAY_AUTH_TOKEN": token} if token else {}))
+    script = ("import os; from framework.search.private_apis import present_ray_token; "
+              "present_ray_token(); print(os.environ.get('RAY_AUTH_MODE'))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == mode
+
+
+class ExecutorChosen(Exception):
+    pass
+
+
+def test_the_executor_set_on_a_submitit_launcher_is_the_one_its_jobs_run_on(tmp_path, monkeypatch):
+    import submitit
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+
+    def record(cluster, **settings):
+        raise ExecutorChosen(cluster, settings)
+
+    monkeypatch.setattr(submitit, "AutoExecutor", record)
+    launcher = BaseSubmititLauncher(submitit_folder=str(tmp_path), max_num_timeout=3)
+    launcher.config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    set_submitit_executor(launcher, "local")
+
+    with pytest.raises(ExecutorChosen) as chosen:
+        launcher.launch([["lr=1"]], initial_job_idx=0)
+    # The executor, and the prefix of its own settings.
+    assert chosen.value.args == ("local", {"folder": str(tmp_path), "local_max_num_timeout": 3})
