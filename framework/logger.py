@@ -10,7 +10,6 @@ import csv
 import logging
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Dict, Mapping
 
@@ -118,16 +117,6 @@ def run_name(name: str, run_dir: Path, trial: NoTrial) -> str:
                  for key, value in sorted(trial.hparams().items()))
         label = " ".join([f"trial {trial.number}", *swept])
     return label.replace(os.sep, "_")[:200]  # one folder, within file systems' 255-byte names
-
-
-def find_tensorboard_from_notebooks() -> None:
-    """Point %tensorboard at this environment's tensorboard.
-
-    The notebook magic starts ``$TENSORBOARD_BINARY``, else the ``tensorboard`` on PATH: a kernel
-    started from a virtual environment that was never activated has no .venv/bin there."""
-    binary = Path(sys.executable).with_name("tensorboard")
-    if binary.is_file():
-        os.environ.setdefault("TENSORBOARD_BINARY", str(binary))
 
 
 class TensorBoardLogger(Logger):
