@@ -5,6 +5,7 @@ and returns a ``RunResult`` (metrics, run dir, checkpoints); ``sweep`` runs a se
 returns its trials table; ``load_model`` rebuilds a trained model from a checkpoint.
 """
 import importlib
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -20,9 +21,12 @@ __all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'framework' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    # Submodules too (framework.checkpoint.load_checkpoint), as when they were imported with the package.
+    if importlib.util.find_spec(f"{__name__}.{name}") is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return importlib.import_module(f"{__name__}.{name}")
 
 
 def __dir__():
