@@ -4,7 +4,6 @@
 and returns a ``RunResult`` (metrics, run dir, checkpoints); ``sweep`` runs a search preset and
 returns its trials table; ``load_model`` rebuilds a trained model from a checkpoint.
 """
-import importlib
 import importlib.util
 import os
 import sys
