@@ -12,7 +12,7 @@ import os
 import pickle
 import random
 import shutil
-import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -225,30 +225,37 @@ class MetricTracker:
         return better
 
 
+# What snapshot looks into; any other value is immutable or fresh, and is kept as it is.
+NESTED = (torch.Tensor, dict, list, tuple)
+
+
 def snapshot(value: Any) -> Any:
     """A CPU copy of every tensor in a nested state, so training can go on changing the originals."""
+    # Leaves are tested inline, not recursed into: a state holds thousands (the resolved config,
+    # Python's RNG state), and a call for each would cost a small model's epoch a few percent.
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {k: snapshot(v) for k, v in value.items()}
+        return {k: snapshot(v) if isinstance(v, NESTED) else v for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(snapshot(v) for v in value)
+        return type(value)(snapshot(v) if isinstance(v, NESTED) else v for v in value)
     return value
 
 
 class Checkpointer:
     """Writes ``last.pt`` after every epoch and ``best.pt`` when the monitored metric improves.
 
-    The state is copied to CPU memory on the caller's thread and written to disk on a
-    background thread, so the next epoch does not wait for serialisation and fsync. One
-    write is in flight at a time; ``wait`` joins it and re-raises its error, if any.
+    The state is copied to CPU memory on the caller's thread and written to disk by one
+    background thread, started at the first write and kept for the run, so the next epoch
+    waits neither for serialisation and fsync nor for a thread to start. One write is in
+    flight at a time; ``wait`` finishes it and re-raises its error, if any.
     """
 
     def __init__(self, directory: Path, monitor: str, mode: str, enabled: bool, is_writer: bool):
         self.directory, self.enabled, self.is_writer = Path(directory), enabled, is_writer
         self.tracker = MetricTracker(monitor, mode)
-        self._writer: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._in_flight: Optional[Future] = None
 
     @property
     def last(self) -> Path:
@@ -265,13 +272,10 @@ class Checkpointer:
             return
         copy = snapshot(state())
         self.wait()
-        writer = threading.Thread(target=self._write, args=(copy, improved), name="checkpoint-writer")
         try:
-            writer.start()
-            self._writer = writer
+            self._in_flight = self._writer.submit(self._write, copy, improved)
         except RuntimeError:  # no thread to be had (e.g. an address-space limit): write it here
             self._write(copy, improved)
-            self.wait()
 
     def save_last(self, state: Callable[[], Dict[str, Any]]) -> None:
         """Write last.pt now, on this thread: the run is stopping mid-epoch and a resume continues here."""
@@ -285,20 +289,14 @@ class Checkpointer:
             atomic_write(self.best, lambda tmp: shutil.copyfile(best, tmp))
 
     def _write(self, state: Dict[str, Any], improved: bool) -> None:
-        try:
-            save_checkpoint(state, self.last)
-            if improved:
-                atomic_write(self.best, lambda tmp: shutil.copyfile(self.last, tmp))
-        except BaseException as error:  # surfaced by wait() on the training thread
-            self._error = error
+        save_checkpoint(state, self.last)
+        if improved:
+            atomic_write(self.best, lambda tmp: shutil.copyfile(self.last, tmp))
 
     def wait(self) -> None:
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.result()  # a failed write raises here, on the training thread
 
     def state_dict(self) -> Dict[str, Any]:
         return {"best": self.tracker.best}

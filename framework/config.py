@@ -279,10 +279,12 @@ def validate(cfg: DictConfig) -> None:
 
 
 def _validate_device(device: str) -> None:
+    if device in ("auto", "cpu"):
+        return  # torch parses the others: it is imported only for them
     import torch
 
     try:
-        torch.device(device if device != "auto" else "cpu")
+        torch.device(device)
     except RuntimeError:
         raise ConfigError(f"device={device!r} is not a device; use auto, cpu, cuda or cuda:N.") from None
 

@@ -7,8 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
-from framework.checkpoint import written_checkpoint
-
 Row = Dict[str, Any]
 
 
@@ -24,6 +22,8 @@ class RunResult(Mapping):
 
     @classmethod
     def of(cls, metrics: Dict[str, float], run_dir: Path) -> "RunResult":
+        from framework.checkpoint import written_checkpoint
+
         return cls(metrics, run_dir, written_checkpoint(run_dir, "best"), written_checkpoint(run_dir, "last"))
 
     def __getitem__(self, name: str) -> float:
@@ -59,6 +59,8 @@ class SweepResult(Sequence):
 
     @property
     def best_checkpoint(self) -> Optional[Path]:
+        from framework.checkpoint import written_checkpoint
+
         return written_checkpoint(self.best_run_dir, "best") if self.best_run_dir else None
 
     def __getitem__(self, index):

@@ -7,6 +7,7 @@ the epoch's metrics. Everything device- or process-specific goes through ``Envir
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -168,7 +169,7 @@ class Trainer:
                    f"{self.early_stopping.patience} epochs"
         return ""
 
-    @property
+    @functools.cached_property  # the loop asks every step, and reading the config costs more than the answer
     def max_steps(self) -> int:
         steps_per_epoch = len(self.train_batches)
         by_epochs = self.cfg.trainer.max_epochs * steps_per_epoch
@@ -191,9 +192,15 @@ class Trainer:
             "early_stopping": self.early_stopping.state_dict(),
             "metrics": self.metrics,
             "rng": rng_state(),
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "config": self.resolved_config,
             "classes": self.data.classes,
         }
+
+    @functools.cached_property
+    def resolved_config(self) -> Dict[str, Any]:
+        """The config as plain data, as every checkpoint holds it: converted once, since it does not
+        change during a run (converting takes a few ms, a sizeable part of a small model's epoch)."""
+        return OmegaConf.to_container(self.cfg, resolve=True)
 
     def load_state(self, state: Dict[str, Any]) -> None:
         """Restore exactly what ``state()`` saved."""
@@ -216,7 +223,6 @@ class Trainer:
         trainable, frozen = count_parameters(self.model)
         log.info("Model %s: %s trainable, %s frozen parameters; %d train / %d val samples.",
                  self.spec["_target_"], f"{trainable:,}", f"{frozen:,}", len(self.data.train), len(self.data.val))
-        self.logger.log_graph(unwrap(self.model), first(self.data.val, 2)[0].to(self.env.device))
         progress = ProgressBar(self.max_steps, self.cfg.trainer.progress_bar and self.env.is_main, initial=self.step)
         started, steps_at_start = time.perf_counter(), self.step
         try:
@@ -401,6 +407,9 @@ class Trainer:
         final.update(self.oom.summary(self.micro_batch, self.eval_batch_size), **self.memory.summary(),
                      **self.nonfinite.summary())
         self.log_sample_predictions()
+        # Traced once trained: a trace runs the model, and one before or during training would
+        # draw dropout's random numbers and move BatchNorm's statistics.
+        self.logger.log_graph(unwrap(self.model), first(self.data.val, 2)[0].to(self.env.device))
         self.logger.log_hparams(self.hparams(), {k: v for k, v in final.items() if "/" in k})
         if self.env.is_main:
             (self.run_dir / "metrics.json").write_text(json.dumps(final, indent=2, allow_nan=True) + "\n")

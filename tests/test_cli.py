@@ -23,6 +23,15 @@ def test_cfg_job_prints_the_resolved_config(cli):
     assert "lr: 0.005" in result.stdout and "framework.model.CNN" in result.stdout and "name: digits_cnn" in result.stdout
 
 
+@pytest.mark.parametrize("args", ["--help", "--cfg job"])
+def test_printing_help_or_the_config_imports_no_torch(user, args):
+    # Both answer in a fraction of a second only while they leave these unimported.
+    result = user.run(f"python -X importtime run.py {args}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "hydra" in imported and not imported & {"torch", "tensorboard", "optuna", "ray"}
+
+
 @pytest.mark.timeout(300)
 def test_a_grid_over_lr_runs_one_complete_job_per_value(cli, user):
     result = cli("-m", "lr=1e-3,1e-4", *QUICK)

@@ -2,10 +2,14 @@ import csv
 import re
 
 import pytest
+import torch
+from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
+
+from framework.logger import TensorBoardLogger
 
 # The group TensorBoard opens on, in the order it shows the cards.
 OVERVIEW = ["overview/loss/train", "overview/loss/val", "overview/metric/val/acc", "overview/optimizer/lr",
@@ -71,6 +75,24 @@ def test_tensorboard_opens_on_the_overview_and_keeps_hparams_out_of_the_charts(t
         assert all(any(re.match(pattern, tag) for tag in tags["scalars"]) for pattern in patterns), patterns
     # The run is named by its name and run dir (by default its start time), as a folder and as an HPARAMS row.
     assert event_dir(run_dir).name == session_start(events).group_name == f"train {run_dir.name}"
+
+
+def test_a_histogram_summarises_the_finite_values(tmp_path):
+    logger = TensorBoardLogger(OmegaConf.create({"histogram_every_n_epochs": 1, "log_graph": False, "log_images": False}),
+                               tmp_path, "run", "val/acc")
+    logger.add_histogram("weights/w", torch.tensor([0.5, -1.0, float("nan"), 2.0]), epoch=0)
+    logger.close()
+    [event] = read_events(tmp_path).Histograms("weights/w")
+    histogram = event.histogram_value
+    assert (histogram.min, histogram.max, histogram.num, histogram.sum, histogram.sum_squares) == (-1.0, 2.0, 3, 1.5, 5.25)
+    assert sum(histogram.bucket) == 3 and histogram.bucket_limit[-1] == 2.0
+
+
+def test_tracing_the_graph_changes_nothing_that_is_trained(train):
+    # A trace runs the model: before or during training it would draw dropout's random numbers.
+    traced, _ = train("model.dropout=0.5", "logger.log_graph=true")
+    untraced, _ = train("model.dropout=0.5", "logger.log_graph=false")
+    assert traced["val/loss"] == untraced["val/loss"]
 
 
 def test_the_prediction_grid_is_large_enough_to_read(train):
