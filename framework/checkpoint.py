@@ -84,6 +84,26 @@ def written_checkpoint(run_dir: Path, kind: str) -> Optional[Path]:
     return path if path.is_file() else None
 
 
+def read_pretrained(path: Path) -> Dict[str, Any]:
+    """A runlab checkpoint, or a plain state dict of tensors (e.g. another library's weights file),
+    read without unpickling code."""
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise CheckpointError(f"{path} is a safetensors file; reading it needs the safetensors package.") from None
+        try:
+            return {"model": load_file(str(path))}
+        except Exception as error:
+            raise CheckpointError(f"{path} is not a readable safetensors file ({type(error).__name__}).") from None
+    state = read_weights_only(path)
+    if isinstance(state, dict) and state.get("format") == FORMAT:
+        return state
+    if isinstance(state, dict) and state and all(hasattr(v, "shape") for v in state.values()):
+        return {"model": state}
+    raise CheckpointError(f"{path} is neither a runlab checkpoint nor a state dict of tensors; finetune.from needs one of them.")
+
+
 def resolve_checkpoint_path(path: str | Path) -> Path:
     """A checkpoint file, a run dir (its best checkpoint, else its last), or a folder of runs
     such as outputs/<name> (its most recently written run)."""

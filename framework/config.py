@@ -10,13 +10,15 @@ import importlib
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, List
+from typing import Any, Dict, List, Sequence, Set, Tuple
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from framework.errors import ConfigError
 from framework.paths import register_resolvers
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # the config groups: one per framework module
 
 
 @dataclass
@@ -408,3 +410,43 @@ def _validate_finetune(finetune: DictConfig) -> None:
     _require(finetune.backbone_lr_factor == 1.0 or finetune.unfreeze_at_epoch >= 0,
              f"finetune.backbone_lr_factor={finetune.backbone_lr_factor} has no effect: it scales the frozen parameters' "
              "learning rate once they train, so set finetune.unfreeze_at_epoch too.")
+
+
+# --- reading a run's config back ---------------------------------------------------------------
+
+def metric_value(metrics: Dict[str, float], name: str) -> float:
+    """The metric ``name`` (optimized_metric) of a finished run, NaN when the run produced none."""
+    if name not in metrics:
+        raise ConfigError(f"optimized_metric={name!r} was not produced by this run; it produced {', '.join(sorted(metrics))}.")
+    value = metrics[name]
+    return float("nan") if value is None else float(value)
+
+
+def command_line_overrides(group: str) -> Tuple[bool, Set[str]]:
+    """Whether this run's command line chose another option of ``group`` (``group=NAME``),
+    and which of its keys it set (``group.KEY=VALUE``)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not HydraConfig.initialized():
+        return False, set()
+    replaced, keys = False, set()
+    for override in OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task)):
+        name = override.key_or_group
+        if name == group:
+            replaced = True
+        elif name.startswith(f"{group}."):
+            keys.add(name[len(group) + 1:].split(".")[0])
+    return replaced, keys
+
+
+def checkpoint_config(cfg: DictConfig, state: Dict[str, Any], groups: Sequence[str]) -> DictConfig:
+    """The checkpoint's resolved config, with what this command line set in ``groups`` taken from ``cfg``."""
+    saved = OmegaConf.create(state["config"])
+    for group in groups:
+        replaced, keys = command_line_overrides(group)
+        if replaced:
+            saved[group] = cfg[group]
+        for key in keys:
+            saved[group][key] = cfg[group][key]
+    return saved

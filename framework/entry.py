@@ -14,16 +14,14 @@ from typing import Any, Dict, Iterator, List, Optional, Union
 
 from omegaconf import DictConfig
 
-from framework.config import validate
+from framework.config import CONF_DIR, metric_value, validate
 from framework.errors import ConfigError, Interrupted, RunlabError, error_from_exit, exit_with
 from framework.paths import create_run_dir
 from framework.results import RunResult, SweepResult
 
 log = logging.getLogger("framework")
 
-REPO_DIR = Path(__file__).resolve().parent.parent
-CONF_DIR = REPO_DIR / "conf"
-RUN_SCRIPT = REPO_DIR / "run.py"
+RUN_SCRIPT = Path(__file__).resolve().parent.parent / "run.py"
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's, as conf/hydra/default.yaml sets it
 
 
@@ -55,8 +53,6 @@ def main(cfg: DictConfig) -> Optional[float]:
 
 def objective(metrics: Dict[str, float], optimized_metric: Any) -> Union[float, List[float]]:
     """The value a sweeper optimizes: the metric optimized_metric names, or one per metric it lists."""
-    from framework.trainer import metric_value
-
     if isinstance(optimized_metric, str):
         return metric_value(metrics, optimized_metric)
     return [metric_value(metrics, name) for name in optimized_metric]

@@ -12,33 +12,21 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Dict, List
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from framework.checkpoint import load_checkpoint, model_from_state, resolve_checkpoint_path
+from framework.config import checkpoint_config
 from framework.errors import ConfigError
 from framework.data import build_data, eval_batches
-from framework.finetune import command_line_overrides
 from framework.parallel import Environment, resolve_device
-from framework.trainer import Precision, evaluate
+from framework.step import Precision, evaluate
 
 log = logging.getLogger(__name__)
 
 OVERRIDABLE = ("data", "device", "trainer")
-
-
-def checkpoint_config(cfg: DictConfig, state: Dict[str, Any], groups: Sequence[str]) -> DictConfig:
-    """The checkpoint's resolved config, with what this command line set in ``groups`` taken from ``cfg``."""
-    saved = OmegaConf.create(state["config"])
-    for group in groups:
-        replaced, keys = command_line_overrides(group)
-        if replaced:
-            saved[group] = cfg[group]
-        for key in keys:
-            saved[group][key] = cfg[group][key]
-    return saved
 
 
 def evaluate_checkpoint(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:

@@ -25,11 +25,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from framework.checkpoint import checkpoint_classes, checked_spec, load_checkpoint, model_from_state, resolve_checkpoint_path
+from framework.checkpoint import (checkpoint_classes, checked_spec, load_checkpoint, model_from_state, read_pretrained,
+                                 resolve_checkpoint_path)
+from framework.config import checkpoint_config
 from framework.data import build_data, first
 from framework.errors import CheckpointError
-from framework.evaluate import checkpoint_config
-from framework.finetune import read_pretrained
 from framework.model import build_model
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,8 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from framework.checkpoint import FORMAT, checked_spec, read_weights_only, resolve_checkpoint_path
+from framework.checkpoint import checked_spec, read_pretrained, resolve_checkpoint_path
+from framework.config import command_line_overrides
 from framework.errors import CheckpointError, ConfigError
 from framework.model import accepted_keys, model_spec
 
@@ -81,44 +82,6 @@ def pretrain_if_missing(cfg: DictConfig) -> None:
     if done.returncode or not has_checkpoint(source):
         raise ConfigError(f"finetune.pretrain={experiment} did not leave a checkpoint in finetune.from={source}; "
                           f"run python run.py experiment={experiment} yourself and read its error.")
-
-
-def command_line_overrides(group: str) -> Tuple[bool, Set[str]]:
-    """Whether this run's command line chose another option of ``group`` (``group=NAME``),
-    and which of its keys it set (``group.KEY=VALUE``)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    if not HydraConfig.initialized():
-        return False, set()
-    replaced, keys = False, set()
-    for override in OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task)):
-        name = override.key_or_group
-        if name == group:
-            replaced = True
-        elif name.startswith(f"{group}."):
-            keys.add(name[len(group) + 1:].split(".")[0])
-    return replaced, keys
-
-
-def read_pretrained(path: Path) -> Dict[str, Any]:
-    """A runlab checkpoint, or a plain state dict of tensors (e.g. another library's weights file),
-    read without unpickling code."""
-    if path.suffix == ".safetensors":
-        try:
-            from safetensors.torch import load_file
-        except ImportError:
-            raise CheckpointError(f"{path} is a safetensors file; reading it needs the safetensors package.") from None
-        try:
-            return {"model": load_file(str(path))}
-        except Exception as error:
-            raise CheckpointError(f"{path} is not a readable safetensors file ({type(error).__name__}).") from None
-    state = read_weights_only(path)
-    if isinstance(state, dict) and state.get("format") == FORMAT:
-        return state
-    if isinstance(state, dict) and state and all(hasattr(v, "shape") for v in state.values()):
-        return {"model": state}
-    raise CheckpointError(f"{path} is neither a runlab checkpoint nor a state dict of tensors; finetune.from needs one of them.")
 
 
 def first_names(keys: List[str]) -> str:

@@ -6,21 +6,20 @@ the epoch's metrics. Everything device- or process-specific goes through ``Envir
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from framework.checkpoint import Checkpointer, EarlyStopping, TRAINING_STATE, load_checkpoint, rng_state, set_rng_state
-from framework.data import build_data, eval_batches, first, train_batches
-from framework.errors import ConfigError, Interrupted, signal_name
+from framework.data import DataBundle, build_data, eval_batches, first, train_batches
+from framework.errors import Interrupted, signal_name
 from framework.finetune import Finetuner
 from framework.logger import build_logger, run_name
 from framework.model import build_model, count_parameters
@@ -33,7 +32,8 @@ from framework.resume import changed_settings, check_same_model, checkpoint_to_r
 from framework.scheduler import build_scheduler, same_schedule
 from framework.search.trial import sweep_trial
 from framework.signals import StopRequest
-from framework.troubleshoot import MemoryTracker, OOMRecovery
+from framework.step import TrainStep
+from framework.troubleshoot import MemoryTracker
 
 log = logging.getLogger(__name__)
 
@@ -51,73 +51,45 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-class Precision:
-    """Autocast and, for fp16, gradient scaling; a no-op at 32-bit."""
+@dataclass
+class Setup:
+    """What a run trains, built the same way for training and for the doctor."""
 
-    def __init__(self, precision: str, device: torch.device):
-        if precision == "fp16" and device.type != "cuda":
-            raise ConfigError(f"trainer.precision=fp16 needs a CUDA device, but this run is on {device.type}; use bf16 or 32.")
-        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-        self.device_type = device.type
-        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-
-    def autocast(self):
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.dtype)
+    data: DataBundle
+    finetuner: Finetuner
+    spec: Dict[str, Any]  # the model's constructor call
+    model: torch.nn.Module  # wrapped for the parallel mode
+    optimizer: torch.optim.Optimizer
 
 
-@torch.inference_mode()
-def eval_totals(model: torch.nn.Module, batches, env: Environment, precision: Precision) -> torch.Tensor:
-    """This process's loss sum, correct count, sample count and an out-of-memory flag (0 here) over a split."""
-    model.eval()
-    totals = torch.zeros(4, dtype=torch.float64, device=env.output_device)
-    for x, y in batches:
-        if not batches.on_device:
-            x, y = x.to(env.device), y.to(env.output_device)
-        with precision.autocast():
-            logits = model(x)
-        totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
-        totals[1] += (logits.argmax(1) == y).sum()
-        totals[2] += len(y)
-    return totals
-
-
-def summarize(totals: torch.Tensor) -> Dict[str, float]:
-    loss_sum, correct, count, _ = totals.tolist()
-    return {"loss": loss_sum / count, "acc": correct / count}
-
-
-def evaluate(model: torch.nn.Module, batches, env: Environment, precision: Precision) -> Dict[str, float]:
-    """Mean loss and accuracy over a split, summed across processes; no graph is built."""
-    return summarize(env.all_reduce_sum(eval_totals(model, batches, env, precision)))
+def build_setup(cfg: DictConfig, env: Environment) -> Setup:
+    seed_everything(cfg.seed, cfg.trainer.deterministic)
+    data = build_data(cfg.data, cfg.seed)
+    finetuner = Finetuner(cfg)
+    spec = finetuner.model_spec(cfg.model, data.input_shape, data.num_classes)
+    model = env.wrap(finetuner.prepare(build_model(spec)))
+    optimizer = build_optimizer(cfg.optimizer, model, finetuner.param_groups())
+    return Setup(data, finetuner, spec, model, optimizer)
 
 
 class Trainer:
     def __init__(self, cfg: DictConfig, run_dir: Path, env: Environment, stop: Optional[StopRequest] = None):
         self.cfg, self.run_dir, self.env = cfg, Path(run_dir), env
         self.stop = stop or StopRequest()
-        seed_everything(cfg.seed, cfg.trainer.deterministic)
-        self.data = build_data(cfg.data, cfg.seed)
-        self.finetuner = Finetuner(cfg)
-        self.spec = self.finetuner.model_spec(cfg.model, self.data.input_shape, self.data.num_classes)
-        self.model = env.wrap(self.finetuner.prepare(build_model(self.spec)))
-        self.optimizer = build_optimizer(cfg.optimizer, self.model, self.finetuner.param_groups())
+        setup = build_setup(cfg, env)
+        self.data, self.finetuner, self.spec, self.optimizer = setup.data, setup.finetuner, setup.spec, setup.optimizer
         self.scheduler = build_scheduler(cfg.scheduler, self.optimizer)
-        self.precision = Precision(str(cfg.trainer.precision), env.device)
         self.train_batches = train_batches(self.data, cfg.data, env.device, cfg.seed, env.rank, env.world_size,
                                            target_device=env.output_device)
         self.val_batches = eval_batches(self.data.val, cfg.data, env.device, env.rank, env.world_size,
                                         target_device=env.output_device)
-        self.micro_batch = self._initial_micro_batch()
-        self.eval_batch_size = cfg.data.eval_batch_size
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.monitor, cfg.checkpoint.mode,
                                          cfg.checkpoint.enabled, env.is_main)
         self.early_stopping = EarlyStopping(**cfg.early_stopping)
         self.nonfinite = NonFiniteGuard(cfg.trainer.on_nonfinite, str(cfg.trainer.precision), self.finite_state_kept)
         self.trial = sweep_trial(cfg, self.run_dir, env.is_main)
         self.logger = build_logger(cfg, self.run_dir, env.is_main, run_name(cfg.name, self.run_dir, self.trial))
-        self.oom = OOMRecovery(cfg.troubleshoot, env, self.model, self.optimizer, self.spec, self.data.input_shape)
+        self.train_step = TrainStep.of(cfg, env, setup, self.nonfinite, self.logger)
         self.memory = MemoryTracker(env.device, cfg.troubleshoot.memory_growth_epochs)
         self.epoch, self.step, self.batch_in_epoch = 0, 0, 0
         self.metrics: Dict[str, float] = {}  # the last epoch's
@@ -126,13 +98,9 @@ class Trainer:
 
     # --- set-up helpers ----------------------------------------------------------------
 
-    def _initial_micro_batch(self) -> int:
-        per_rank = self.cfg.batch_size // self.env.world_size
-        accumulate = self.cfg.trainer.accumulate_grad_batches
-        if per_rank % accumulate:
-            raise ConfigError(f"trainer.accumulate_grad_batches={accumulate} does not divide the per-process batch "
-                              f"of {per_rank}; pick a divisor of it.")
-        return per_rank // accumulate
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.train_step.model  # the step's: under ddp it wraps the model anew after an out-of-memory step
 
     def resume(self) -> None:
         """Continue the run ``resume`` names (framework/resume.py): its state, this config's settings."""
@@ -183,11 +151,10 @@ class Trainer:
             "model_spec": self.spec,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "scaler": self.precision.scaler.state_dict(),
+            **self.train_step.state_dict(),  # scaler, micro_batch, eval_batch_size
             "epoch": self.epoch,
             "step": self.step,
             "batch_in_epoch": self.batch_in_epoch,
-            "micro_batch": self.micro_batch,
             "checkpointer": self.checkpointer.state_dict(),
             "early_stopping": self.early_stopping.state_dict(),
             "metrics": self.metrics,
@@ -207,11 +174,8 @@ class Trainer:
         unwrap(self.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        if state["scaler"] and self.precision.scaler.is_enabled():  # empty when saved at 32-bit or bf16
-            self.precision.scaler.load_state_dict(state["scaler"])
+        self.train_step.load_state_dict(state)
         self.epoch, self.step, self.batch_in_epoch = state["epoch"], state["step"], state["batch_in_epoch"]
-        # An out-of-memory back-off stays; a larger accumulation on this command line applies too.
-        self.micro_batch = min(state["micro_batch"], self._initial_micro_batch())
         self.checkpointer.load_state_dict(state["checkpointer"])
         self.early_stopping.load_state_dict(state["early_stopping"])
         self.metrics = dict(state.get("metrics", {}))
@@ -251,7 +215,8 @@ class Trainer:
                 continue
             if not self.train_batches.on_device:
                 x, y = x.to(self.env.device, non_blocking=True), y.to(self.env.output_device, non_blocking=True)
-            loss = self.train_step(x, y)
+            loss = self.train_step(x, y, self.step, self.position(self.step + 1))
+            self.scheduler.after_step()
             if loss is not None:  # None: a non-finite step skipped (trainer.on_nonfinite=skip)
                 loss_sum, steps = loss_sum + loss, steps + 1
             self.step, self.batch_in_epoch = self.step + 1, index + 1
@@ -271,29 +236,6 @@ class Trainer:
             self.interrupt()
         return self.env.all_reduce_mean(loss_sum).item() / max(steps, 1)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
-        """One optimizer step over a batch, in micro-batches; returns the batch's mean loss (detached),
-        or None when the step was not finite and skipped."""
-        # Out of memory: halve the micro-batch and retry this same step (troubleshoot/oom.py).
-        while (batch_loss := self.oom.attempt(self.accumulate_gradients, x, y)) is None:
-            self.micro_batch = self.oom.back_off(self.micro_batch, len(y), self.step, self.logger)
-        grad_norm = self.unscaled_grad_norm()
-        applied = self.nonfinite.step_is_finite(batch_loss, grad_norm, self.position(self.step + 1), self.current_lr)
-        if applied:
-            self.precision.scaler.step(self.optimizer)
-        self.precision.scaler.update()
-        self.scheduler.after_step()
-        return batch_loss if applied else None
-
-    def unscaled_grad_norm(self) -> torch.Tensor:
-        """The gradients' total norm (clipped to trainer.gradient_clip_val when set), as a tensor: no host sync."""
-        self.precision.scaler.unscale_(self.optimizer)
-        parameters = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.cfg.trainer.gradient_clip_val
-        if clip:
-            return torch.nn.utils.clip_grad_norm_(parameters, clip)
-        return torch.nn.utils.get_total_norm([p.grad for p in parameters])
-
     @property
     def current_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
@@ -307,23 +249,6 @@ class Trainer:
             return "No checkpoint was written before it."
         return (f"{shown(self.checkpointer.last)} keeps the last finite state (epoch {self.epoch}); resume=auto with "
                 "a lower lr continues from it.")
-
-    def accumulate_gradients(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Forward and backward over the batch in micro-batches; returns the batch's mean loss (detached)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        batch_loss = torch.zeros((), device=self.env.output_device)
-        micro_x, micro_y = x.split(self.micro_batch), y.split(self.micro_batch)
-        last = len(micro_y) - 1
-        for i, (xs, ys) in enumerate(zip(micro_x, micro_y)):
-            # Gradients are synchronised across processes once; where, the OOM guard decides.
-            with self.oom.micro_batch(i == last):
-                with self.precision.autocast():
-                    loss = F.cross_entropy(self.model(xs), ys)
-                # Weight each micro-batch by its share, so the gradient equals the full batch's.
-                share = len(ys) / len(y)
-                self.precision.scaler.scale(loss * share).backward()
-            batch_loss += loss.detach() * share
-        return batch_loss
 
     def log_train_window(self, loss_sum: torch.Tensor, steps: int, window_start: int, window_time: float,
                          progress: ProgressBar) -> float:
@@ -352,23 +277,8 @@ class Trainer:
         finally:
             self.logger.close()
 
-    def evaluate(self, batches) -> Dict[str, float]:
-        """Mean loss and accuracy over a split, summed across processes; no graph is built.
-
-        If any process runs out of memory, all of them halve the eval batch and redo the pass.
-        """
-        while True:
-            totals = self.oom.attempt(eval_totals, self.model, batches, self.env, self.precision)
-            if totals is None:  # ran out of memory here: tell the others through the flag
-                totals = torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64, device=self.env.output_device)
-            totals = self.env.all_reduce_sum(totals)
-            if not totals[3]:
-                return summarize(totals)
-            self.eval_batch_size = batches.plan.batch_size = self.oom.back_off_eval(self.eval_batch_size, self.step,
-                                                                                    self.logger)
-
     def end_epoch(self, train_loss: float, progress: ProgressBar) -> None:
-        val = self.evaluate(self.val_batches)
+        val = self.train_step.evaluate(self.val_batches, self.step)
         metrics = {"train/loss": train_loss, "val/loss": val["loss"], "val/acc": val["acc"]}
         # Broken weights must not reach a checkpoint: the last finite state stays on disk.
         self.nonfinite.check_validation(metrics, self.position(self.step), self.current_lr)
@@ -383,7 +293,7 @@ class Trainer:
         metrics["epoch"] = self.epoch
         self.logger.log_metrics(metrics, self.step)
         self.logger.log_histograms(unwrap(self.model), self.epoch - 1)
-        self.memory.end_epoch(self.logger, self.step, (self.micro_batch, self.eval_batch_size))
+        self.memory.end_epoch(self.logger, self.step, self.train_step.sizes)
         pruned = self.trial.report(metrics, self.epoch)
         if pruned and not self.stop_reason:
             self.stop_reason = pruned
@@ -404,8 +314,7 @@ class Trainer:
         test = self.test_best()
         self.logger.log_metrics(test, self.step)
         final.update(test)
-        final.update(self.oom.summary(self.micro_batch, self.eval_batch_size), **self.memory.summary(),
-                     **self.nonfinite.summary())
+        final.update(self.train_step.summary(), **self.memory.summary(), **self.nonfinite.summary())
         self.log_sample_predictions()
         # Traced once trained: a trace runs the model, and one before or during training would
         # draw dropout's random numbers and move BatchNorm's statistics.
@@ -436,8 +345,8 @@ class Trainer:
         if self.checkpointer.best.is_file():
             # The checkpoint of the best epoch, not the last weights, is what a user would ship.
             unwrap(self.model).load_state_dict(load_checkpoint(self.checkpointer.best, require=("model",))["model"])
-        test = self.evaluate(eval_batches(self.data.test, self.cfg.data, self.env.device, self.env.rank, self.env.world_size,
-                                          batch_size=self.eval_batch_size, target_device=self.env.output_device))
+        test = self.train_step.evaluate(eval_batches(self.data.test, self.cfg.data, self.env.device, self.env.rank,
+                                                     self.env.world_size, target_device=self.env.output_device), self.step)
         return {"test/loss": test["loss"], "test/acc": test["acc"]}
 
     def log_sample_predictions(self) -> None:
@@ -456,9 +365,3 @@ class Trainer:
                 flat[f"model.{key}"] = value
         return {**flat, **self.trial.hparams()}
 
-
-def metric_value(metrics: Dict[str, float], name: str) -> float:
-    if name not in metrics:
-        raise ConfigError(f"optimized_metric={name!r} was not produced by this run; it produced {', '.join(sorted(metrics))}.")
-    value = metrics[name]
-    return float("nan") if value is None else float(value)

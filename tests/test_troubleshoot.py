@@ -4,9 +4,11 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import List
 
 import pytest
 import torch
@@ -15,8 +17,6 @@ import torch.nn.functional as F
 from conftest import REPO, SHRINK, read_metrics
 from framework.checkpoint import load_checkpoint
 from framework.logger import Logger
-from framework.parallel import Environment
-from framework.trainer import Trainer
 from framework.troubleshoot import DoesNotFitError, MemoryTracker, doctor as doctor_module, environment, memory
 from troubleshoot_worker import resolved_config
 
@@ -24,9 +24,9 @@ WORKER = REPO / "tests" / "troubleshoot_worker.py"
 FAST = ["trainer.max_epochs=1", "logger=csv", "trainer.log_every_n_steps=1"]
 
 
-def make_trainer(tmp_path: Path, *overrides: str) -> Trainer:
-    cfg = resolved_config([*SHRINK, f"paths.output_dir={tmp_path / 'outputs'}", "logger=none", *overrides])
-    return Trainer(cfg, tmp_path / "run", Environment(torch.device("cpu")))
+def make_bench(tmp_path: Path, *overrides: str) -> doctor_module.Bench:
+    """What the doctor measures for a run of these overrides."""
+    return doctor_module.bench(resolved_config([*SHRINK, f"paths.output_dir={tmp_path / 'outputs'}", *overrides]))
 
 
 def logged(run_dir: Path, metric: str) -> list:
@@ -123,6 +123,16 @@ def test_real_cpu_oom_under_an_address_space_limit_recovers(tmp_path):
 
 # --- ddp agreement -----------------------------------------------------------------------------
 
+def ddp_ranks(mode: str, tmp_path: Path, run_dir: Path, overrides: List[str]) -> List[dict]:
+    """Train two gloo ranks with troubleshoot_worker.py MODE; each rank's result{rank}.json."""
+    ranks = [subprocess.Popen([sys.executable, str(WORKER), mode, str(rank), "2", str(tmp_path / "init"), str(run_dir),
+                               *overrides], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(2)]
+    outputs = [rank.communicate(timeout=200)[0] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    return [json.loads((run_dir / f"result{rank}.json").read_text()) for rank in range(2)]
+
+
 @pytest.mark.timeout(240)
 def test_ddp_ranks_agree_on_the_backoff_when_one_rank_runs_out(tmp_path, train):
     # test_after_fit=false: the weights compared are the trained ones, not a reload of best.pt.
@@ -135,12 +145,7 @@ def test_ddp_ranks_agree_on_the_backoff_when_one_rank_runs_out(tmp_path, train):
                  "troubleshoot.inject_oom_above_batch=16", "troubleshoot.inject_oom_rank=1"]
     run_dir = tmp_path / "ddp"
     run_dir.mkdir()
-    ranks = [subprocess.Popen([sys.executable, str(WORKER), "ddp", str(rank), "2", str(tmp_path / "init"), str(run_dir),
-                               *overrides], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(2)]
-    outputs = [rank.communicate(timeout=200)[0] for rank in ranks]
-    assert [rank.returncode for rank in ranks] == [0, 0], "\n".join(o[-3000:] for o in outputs)
-    results = [json.loads((run_dir / f"result{rank}.json").read_text()) for rank in range(2)]
+    results = ddp_ranks("ddp", tmp_path, run_dir, overrides)
     for result in results:  # only rank 1 ran out, yet both backed off together: 32 -> 16 per rank
         assert result["micro_batch"] == 16 and result["troubleshoot/oom_backoffs"] == 1
         assert result["troubleshoot/eval_batch_size"] == 16
@@ -156,6 +161,33 @@ def test_ddp_ranks_agree_on_the_backoff_when_one_rank_runs_out(tmp_path, train):
     assert results[0]["step"] == single["step"]
     parameters = [name for name in rank0 if not name.endswith(("running_mean", "running_var", "num_batches_tracked"))]
     assert_same_weights({n: rank0[n] for n in parameters}, {n: last_weights(single_dir)[n] for n in parameters}, 1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_default_ddp_overlaps_the_all_reduce_with_backward_and_survives_an_oom_mid_backward(tmp_path, train):
+    # Three 512-wide blocks: more than DDP's first 1 MB bucket, so gradients go in several buckets.
+    overrides = [*SHRINK, "model.width=512", "model.depth=3", "trainer.max_steps=4", "trainer.accumulate_grad_batches=2",
+                 "logger=none", "trainer.test_after_fit=false", "optimizer=sgd", "lr=0.05",
+                 f"paths.output_dir={tmp_path / 'o'}"]
+    run_dir = tmp_path / "ddp"
+    run_dir.mkdir()
+    results = ddp_ranks("watched", tmp_path, run_dir, overrides)
+    watched = [json.loads((run_dir / f"watch{rank}.json").read_text()) for rank in range(2)]
+    # Rank 1 failed after sending some of the second step's buckets; both backed off 16 -> 8 and went on.
+    assert watched[1]["buckets_sent_at_failure"][0] >= 1
+    assert [r["micro_batch"] for r in results] == [8, 8] and [r["troubleshoot/oom_backoffs"] for r in results] == [1, 1]
+    for seen in watched:
+        # Accumulation runs the micro-batches before a step's last under no_sync, and only the last synchronises.
+        assert re.fullmatch("(F*T)+", "".join("T" if flag else "F" for flag in seen["synchronised"]))
+        # That last backward all-reduces buckets before it reaches the first layer: the all-reduce
+        # overlaps backward. (DDP's first iteration after wrapping, the first step and the retried
+        # one, has all gradients in one bucket; it splits them from the second iteration on.)
+        assert seen["buckets_sent_at_first_layer"][-2:] == [1, 1], seen["buckets_sent_at_first_layer"]
+    rank0, rank1 = (torch.load(run_dir / f"weights{rank}.pt") for rank in range(2))
+    assert_same_weights(rank0, rank1)
+    # The same weights as one process taking the whole batch of 64 in micro-batches of 8.
+    _, single_dir = train(*overrides[len(SHRINK):], "trainer.accumulate_grad_batches=8")
+    assert_same_weights(rank0, last_weights(single_dir), 1e-5)
 
 
 # --- doctor ------------------------------------------------------------------------------------
@@ -203,34 +235,34 @@ def test_gpu_status_reads_a_mocked_gputil_table(monkeypatch):
 
 
 def test_largest_batch_probe_restores_all_state(tmp_path):
-    trainer = make_trainer(tmp_path, "troubleshoot.inject_oom_above_batch=40", "troubleshoot.oom_recovery=false")
-    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    bench = make_bench(tmp_path, "troubleshoot.inject_oom_above_batch=40")
+    before = {k: v.clone() for k, v in bench.model.state_dict().items()}
     rng = torch.get_rng_state()
-    fit = doctor_module.largest_batch(trainer, 256)
+    fit = doctor_module.largest_batch(bench, 256)
     assert fit["largest_micro_batch"] == 40 and fit["accumulation_needed"] == 2
-    assert_same_weights(trainer.model.state_dict(), before)
-    assert trainer.optimizer.state_dict()["state"] == {} and trainer.micro_batch == 64 and trainer.step == 0
+    assert_same_weights(bench.model.state_dict(), before)
+    assert bench.setup.optimizer.state_dict()["state"] == {} and bench.step.micro_batch == 64
     assert torch.equal(torch.get_rng_state(), rng)
 
 
 # --- leak check and memory tracking -------------------------------------------------------------
 
 def test_leak_check_flags_a_loss_summed_with_its_graph_and_passes_the_framework_step(tmp_path):
-    trainer = make_trainer(tmp_path, "model.width=256")
-    x, y = doctor_module.first_batch(trainer)
-    val_x, val_y = trainer.data.val.x[:64], trainer.data.val.y[:64]
+    bench = make_bench(tmp_path, "model.width=256")
+    x, y = doctor_module.first_batch(bench)
+    val_x, val_y = bench.setup.data.val.x[:64], bench.setup.data.val.y[:64]
     running_val_loss = torch.zeros(())
 
     def leaky_step():
         nonlocal running_val_loss
-        trainer.train_step(x, y)
+        doctor_module.train(bench, x, y)
         # The classic mistake: a metric computed without no_grad and summed as a tensor, so
         # every step's graph and the activations it saved stay alive.
-        running_val_loss = running_val_loss + F.cross_entropy(trainer.model(val_x), val_y)
+        running_val_loss = running_val_loss + F.cross_entropy(bench.model(val_x), val_y)
 
-    leaky = doctor_module.leak_check(leaky_step, trainer.env.device, 6)
+    leaky = doctor_module.leak_check(leaky_step, bench.env.device, 6)
     assert leaky["leak"] and leaky["growth_mb"] > 0.25 and leaky["likely_causes"]
-    clean = doctor_module.leak_check(lambda: trainer.train_step(x, y), trainer.env.device, 6)
+    clean = doctor_module.leak_check(lambda: doctor_module.train(bench, x, y), bench.env.device, 6)
     assert not clean["leak"] and abs(clean["growth_mb"]) < 0.25
 
 

@@ -61,6 +61,15 @@ class Environment:
         """Context for a micro-batch whose gradients need not be synchronised yet."""
         return contextlib.nullcontext()
 
+    def processes_out_of_memory(self, model: nn.Module, ran_out: bool) -> int:
+        """How many processes ran out of memory in this step. Every process asks once per step,
+        after its backward finished or failed (``ran_out``); alone, the answer is its own."""
+        return int(ran_out)
+
+    def after_failed_step(self, model: nn.Module) -> nn.Module:
+        """The model to retry a step with once the processes agreed that the step failed."""
+        return model
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum of ``tensor`` over all processes, as a new tensor (the argument is left as is)."""
         return tensor

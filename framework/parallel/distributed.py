@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import logging
 import os
@@ -25,16 +26,17 @@ import socket
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, List
+from typing import Any, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 
@@ -50,22 +52,106 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 
+class OutOfMemoryAgreement:
+    """How the processes of a ddp run agree after every step whether one ran out of memory
+    (troubleshoot.oom_recovery), keeping DDP's overlap of the gradient all-reduce with backward.
+
+    DDP all-reduces gradient buckets from inside the last micro-batch's backward, as each bucket
+    fills. A process that ran out of memory in a forward or half-way through that backward
+    would never join those all-reduces, and the others would wait in them until the timeout.
+    So the bucket all-reduce is DDP's own (its default comm hook), counted; a process that ran
+    out of memory all-reduces zeros for each bucket it did not send, in DDP's bucket order, and
+    then every process all-reduces one small tensor: its out-of-memory flag. Nobody waits on
+    a process that will not come, and a healthy step costs DDP's bucketed all-reduce plus
+    that one small all-reduce.
+
+    The same small all-reduce averages the floating-point buffers (batch-norm running
+    statistics), so DDP's own buffer broadcast is off: DDP decides whether a forward broadcasts
+    in the previous forward's epilogue, which a forward that ran out of memory never reaches.
+    After a step that failed anywhere, every process wraps the module in a new DDP: the old
+    reducer of a process that failed mid-backward is stuck half-way through an iteration.
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device):
+        self.buffers = [b for b in module.buffers() if b.is_floating_point()]
+        dtype = functools.reduce(torch.promote_types, (b.dtype for b in self.buffers), torch.float32)
+        # Allocated up front, so that the agreement itself cannot run out of memory.
+        self.flat = torch.zeros(sum(b.numel() for b in self.buffers) + 1, dtype=dtype, device=device)
+        self.buffer_views = [view.view_as(b) for view, b in zip(self.flat[:-1].split([b.numel() for b in self.buffers]),
+                                                                 self.buffers)]
+        self.buckets_sent = 0
+
+    def wrap(self, module: nn.Module, device_ids) -> DistributedDataParallel:
+        model = DistributedDataParallel(module, device_ids=device_ids, forward_sync_buffers=False)
+        model.register_comm_hook(self, all_reduce_bucket)
+        return model
+
+    def processes_out_of_memory(self, model: DistributedDataParallel, ran_out: bool, world_size: int) -> int:
+        if ran_out:
+            self.send_missed_buckets(model)
+        else:
+            for buffer, view in zip(self.buffers, self.buffer_views):
+                view.copy_(buffer)
+        self.flat[-1] = float(ran_out)  # a failed process's buffers ride along unread: nobody keeps this step
+        dist.all_reduce(self.flat)
+        self.buckets_sent = 0
+        processes = int(self.flat[-1].item())
+        if not processes:
+            for buffer, view in zip(self.buffers, self.buffer_views):
+                buffer.copy_(view.div_(world_size))
+        return processes
+
+    def send_missed_buckets(self, model: DistributedDataParallel) -> None:
+        """Zeros for every gradient bucket this process had not sent when it failed, so the others' all-reduces end."""
+        missed = zero_gradient_buckets(model)[self.buckets_sent:]
+        for work in [all_reduce_bucket(self, bucket) for bucket in missed]:
+            work.wait()
+
+
+def all_reduce_bucket(agreement, bucket):  # no annotations: DDP refuses a hook whose are not its own objects
+    """DDP's default all-reduce of one gradient bucket (the average over processes), counted: a DDP comm hook."""
+    agreement.buckets_sent += 1
+    return allreduce_hook(None, bucket)
+
+
+def zero_gradient_buckets(model: DistributedDataParallel) -> List[dist.GradBucket]:
+    """DDP's gradient buckets in the order its reducer all-reduces them (which DDP rebuilds after
+    the first iteration), holding zeros. Private API: DDP's own join shadows buckets this way
+    (``DistributedDataParallel._match_all_reduce_for_bwd_pass``); tests/test_parallel.py pins it."""
+    return model.reducer._get_zeros_like_grad_buckets()
+
+
 @dataclass
 class DistributedEnvironment(Environment):
     sync_batchnorm: bool = False
-    # Off when OOM recovery is on: its agreed all-reduce averages the buffers itself, and DDP's
-    # per-forward broadcast would desynchronise after a forward that ran out of memory (troubleshoot/oom.py).
-    forward_sync_buffers: bool = True
+    agree_on_out_of_memory: bool = False  # troubleshoot.oom_recovery
+    agreement: Optional[OutOfMemoryAgreement] = field(default=None, init=False, repr=False)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model.to(self.device), device_ids=device_ids,
-                                       forward_sync_buffers=self.forward_sync_buffers)
+        model = model.to(self.device)
+        if not self.agree_on_out_of_memory:
+            return DistributedDataParallel(model, device_ids=self.device_ids)
+        self.agreement = OutOfMemoryAgreement(model, self.device)
+        return self.agreement.wrap(model, self.device_ids)
+
+    @property
+    def device_ids(self) -> Optional[List[int]]:
+        return [self.device.index] if self.device.type == "cuda" else None
 
     def no_sync(self, model: nn.Module):
         return model.no_sync()
+
+    def processes_out_of_memory(self, model: nn.Module, ran_out: bool) -> int:
+        if self.agreement is None:  # recovery off: an out-of-memory error ends the run instead
+            return int(ran_out)
+        return self.agreement.processes_out_of_memory(model, ran_out, self.world_size)
+
+    def after_failed_step(self, model: nn.Module) -> nn.Module:
+        if self.agreement is None:
+            return model
+        return self.agreement.wrap(model.module, self.device_ids)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         total = tensor.clone()
@@ -155,7 +241,7 @@ def join_group(cfg: DictConfig, rank: int, world_size: int, local_rank: int) -> 
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.parallel.timeout_s))
     return DistributedEnvironment(device=device, rank=rank, world_size=world_size,
                                   sync_batchnorm=cfg.parallel.sync_batchnorm,
-                                  forward_sync_buffers=not cfg.troubleshoot.oom_recovery)
+                                  agree_on_out_of_memory=cfg.troubleshoot.oom_recovery)
 
 
 def log_as_rank(rank: int, log_file: Path) -> None:
