@@ -85,6 +85,7 @@ class TrainStep:
                  nonfinite: NonFiniteGuard, oom: OOMRecovery, logger):
         self.env, self.optimizer, self.nonfinite, self.oom, self.logger = env, optimizer, nonfinite, oom, logger
         self.model = model  # the wrapped model: under ddp a failed step may wrap it anew (after_failed_step)
+        self.parameters = list(model.parameters())  # listed once: walking the modules costs more than the norm
         self.precision = Precision(str(cfg.trainer.precision), env.device)
         self.clip = cfg.trainer.gradient_clip_val
         self.configured_sizes = configured_micro_batch(cfg, env.world_size), cfg.data.eval_batch_size
@@ -126,7 +127,7 @@ class TrainStep:
     def accumulate_gradients(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward over the batch in micro-batches; returns the batch's mean loss (detached)."""
         self.optimizer.zero_grad(set_to_none=True)
-        batch_loss = torch.zeros((), device=self.env.output_device)
+        batch_loss = None
         micro_x, micro_y = x.split(self.micro_batch), y.split(self.micro_batch)
         last = len(micro_y) - 1
         for i, (xs, ys) in enumerate(zip(micro_x, micro_y)):
@@ -135,16 +136,18 @@ class TrainStep:
             with self.env.no_sync(self.model) if i < last else contextlib.nullcontext():
                 with self.precision.autocast():
                     loss = F.cross_entropy(self.model(xs), ys)
-                # Weight each micro-batch by its share, so the gradient equals the full batch's.
-                share = len(ys) / len(y)
-                self.precision.scaler.scale(loss * share).backward()
-            batch_loss += loss.detach() * share
+                # Weight each micro-batch by its share, so the gradient equals the full batch's
+                # (a whole batch skips the multiplication: a small model's step is a few ops).
+                if last:
+                    loss = loss * (len(ys) / len(y))
+                self.precision.scaler.scale(loss).backward()
+            batch_loss = loss.detach() if batch_loss is None else batch_loss + loss.detach()
         return batch_loss
 
     def unscaled_grad_norm(self) -> torch.Tensor:
         """The gradients' total norm (clipped to trainer.gradient_clip_val when set), as a tensor: no host sync."""
         self.precision.scaler.unscale_(self.optimizer)
-        parameters = [p for p in self.model.parameters() if p.grad is not None]
+        parameters = [p for p in self.parameters if p.grad is not None]
         if self.clip:
             return torch.nn.utils.clip_grad_norm_(parameters, self.clip)
         return torch.nn.utils.get_total_norm([p.grad for p in parameters])
