@@ -202,7 +202,7 @@ class DDPParallelConfig(ParallelConfig):
 
 @dataclass
 class ModelParallelConfig(ParallelConfig):
-    _target_: str = "framework.parallel.pipeline.Pipeline"
+    _target_: str = "framework.parallel.pipeline.ModelParallel"
     devices: List[str] = MISSING
     microbatches: int = MISSING
     split: List[int] = MISSING

@@ -141,7 +141,7 @@ def pipeline_environment(cfg: DictConfig) -> PipelineEnvironment:
                                microbatches=cfg.parallel.microbatches)
 
 
-class Pipeline(Mode):
+class ModelParallel(Mode):
     """parallel=model: one process, the model's stages on several devices."""
 
     environment = staticmethod(pipeline_environment)
