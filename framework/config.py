@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Optional
+from typing import Any, Callable, ClassVar, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, DictConfig, ListConfig, OmegaConf
@@ -64,7 +64,23 @@ class Option:
     """One option of a group: ``_target_`` names what builds it, which the group's builder calls."""
 
     _target_: str = MISSING
-    option: ClassVar[str] = ""  # how a user selects it, e.g. "data=digits" (set by register_configs)
+    option: ClassVar[str] = ""  # how a user selects it, e.g. "data=digits"
+
+
+# Every option of data, logger and parallel, by group and name; conf/<group>/<name>.yaml extends it.
+OPTIONS: Dict[str, Dict[str, type]] = {"data": {}, "logger": {}, "parallel": {}}
+
+
+def option(group: str, name: str) -> Callable[[type], type]:
+    """Register the schema of ``group=name`` in Hydra's ConfigStore under its class name, which
+    conf/<group>/<name>.yaml extends (``defaults: [/<ClassName>@_here_, _self_]``)."""
+    def register(schema: type) -> type:
+        schema.option = f"{group}={name}"
+        OPTIONS[group][name] = schema
+        ConfigStore.instance().store(name=schema.__name__, node=schema)
+        return schema
+
+    return register
 
 
 # --- data (framework/data.py): _target_(cfg, seed) returns a data.DataBundle ----------------
@@ -94,11 +110,13 @@ class InMemoryDataConfig(DataConfig):
     normalize: bool = True  # standardise with the training split's statistics
 
 
+@option("data", "digits")
 @dataclass
 class DigitsDataConfig(InMemoryDataConfig):
     _target_: str = "framework.data.digits"
 
 
+@option("data", "synthetic")
 @dataclass
 class SyntheticDataConfig(InMemoryDataConfig):
     _target_: str = "framework.data.synthetic"
@@ -109,6 +127,7 @@ class SyntheticDataConfig(InMemoryDataConfig):
     noise: float = MISSING
 
 
+@option("data", "csv")
 @dataclass
 class CSVDataConfig(InMemoryDataConfig):
     _target_: str = "framework.data.csv_file"
@@ -116,6 +135,7 @@ class CSVDataConfig(InMemoryDataConfig):
     label_column: str = MISSING
 
 
+@option("data", "tensors")
 @dataclass
 class TensorsDataConfig(InMemoryDataConfig):
     _target_: str = "framework.data.tensor_file"
@@ -136,6 +156,7 @@ class TransformsConfig:
     std: List[float] = MISSING
 
 
+@option("data", "imagefolder")
 @dataclass
 class ImageFolderDataConfig(DataConfig):
     _target_: str = "framework.imagefolder.build_image_folder"
@@ -145,11 +166,13 @@ class ImageFolderDataConfig(DataConfig):
 
 # --- logger (framework/logger.py): _target_ is a logger.Logger; its from_config builds it -----
 
+@option("logger", "none")
 @dataclass
 class NoneLoggerConfig(Option):
     _target_: str = "framework.logger.Logger"
 
 
+@option("logger", "tensorboard")
 @dataclass
 class TensorBoardLoggerConfig(Option):
     _target_: str = "framework.logger.TensorBoardLogger"
@@ -158,11 +181,13 @@ class TensorBoardLoggerConfig(Option):
     log_images: bool = MISSING
 
 
+@option("logger", "csv")
 @dataclass
 class CSVLoggerConfig(Option):
     _target_: str = "framework.logger.CSVLogger"
 
 
+@option("logger", "wandb")
 @dataclass
 class WandbLoggerConfig(Option):
     _target_: str = "framework.logger.WandbLogger"
@@ -179,17 +204,20 @@ class ParallelConfig(Option):
     fixes_trainable_parameters: ClassVar[bool] = False
 
 
+@option("parallel", "none")
 @dataclass
 class NoneParallelConfig(ParallelConfig):
     _target_: str = "framework.parallel.OneProcess"
 
 
+@option("parallel", "dp")
 @dataclass
 class DPParallelConfig(ParallelConfig):
     _target_: str = "framework.parallel.DataParallel"
     devices: List[str] = MISSING
 
 
+@option("parallel", "ddp")
 @dataclass
 class DDPParallelConfig(ParallelConfig):
     _target_: str = "framework.parallel.distributed.DDP"
@@ -200,23 +228,13 @@ class DDPParallelConfig(ParallelConfig):
     timeout_s: int = MISSING
 
 
+@option("parallel", "model")
 @dataclass
 class ModelParallelConfig(ParallelConfig):
     _target_: str = "framework.parallel.pipeline.ModelParallel"
     devices: List[str] = MISSING
     microbatches: int = MISSING
     split: List[int] = MISSING
-
-
-# Every option of the groups above, by how a user selects it; conf/<group>/<option>.yaml extends it.
-OPTIONS: Dict[str, Dict[str, type]] = {
-    "data": {"digits": DigitsDataConfig, "synthetic": SyntheticDataConfig, "csv": CSVDataConfig,
-             "tensors": TensorsDataConfig, "imagefolder": ImageFolderDataConfig},
-    "logger": {"tensorboard": TensorBoardLoggerConfig, "csv": CSVLoggerConfig, "wandb": WandbLoggerConfig,
-               "none": NoneLoggerConfig},
-    "parallel": {"none": NoneParallelConfig, "dp": DPParallelConfig, "ddp": DDPParallelConfig,
-                 "model": ModelParallelConfig},
-}
 
 
 def schema_of(node: DictConfig) -> Optional[type]:
@@ -346,10 +364,6 @@ class RunConfig:
 def register_configs() -> None:
     store = ConfigStore.instance()
     store.store(name="runlab_schema", node=RunConfig)
-    for group, options in OPTIONS.items():
-        for name, schema in options.items():
-            schema.option = f"{group}={name}"
-            store.store(name=schema.__name__, node=schema)  # conf/<group>/<name>.yaml: - /<schema>@_here_
     register_resolvers()
 
 
