@@ -207,7 +207,7 @@ class ParallelConfig(Option):
 @option("parallel", "none")
 @dataclass
 class NoneParallelConfig(ParallelConfig):
-    _target_: str = "framework.parallel.OneProcess"
+    _target_: str = "framework.parallel.Mode"
 
 
 @option("parallel", "dp")

@@ -4,11 +4,12 @@ consumes.
 
 Each option of conf/data/ names its reader in ``_target_`` (a function of the config and the
 seed that returns a ``DataBundle``), and ``build_data`` calls it: a new source is a function
-here, its schema (framework/config.py) and its YAML. Every source but image folders ends, through
-``in_memory``, as in-memory tensors split train/val/test with a fixed seed. Batches are cut by indexing those tensors directly (no per-sample ``__getitem__`` and
-collate) unless the set is too large to keep on the device, in which case a ``DataLoader``
-streams it. Image folders (framework/imagefolder.py) are decoded by ``DataLoader`` workers.
-Every source names its classes, so a checkpoint can report labels rather than indices.
+here, its schema (framework/config.py) and its YAML. Every source but image folders ends,
+through ``in_memory``, as in-memory tensors split train/val/test with a fixed seed. Batches
+are cut by indexing those tensors directly (no per-sample ``__getitem__`` and collate) unless
+the set is too large to keep on the device, in which case a ``DataLoader`` streams it. Image
+folders (framework/imagefolder.py) are decoded by ``DataLoader`` workers. Every source names
+its classes, so a checkpoint can report labels rather than indices.
 """
 from __future__ import annotations
 

@@ -117,7 +117,7 @@ Task = Callable[[DictConfig, Path, Environment], Any]
 
 class Mode:
     """How a parallel option runs a task: each option of conf/parallel/ names its Mode in
-    ``_target_``. This one runs the task here, in the one process's ``environment``."""
+    ``_target_``. This one (parallel=none) runs the task here, in the one process's ``environment``."""
 
     @staticmethod
     def environment(cfg: DictConfig) -> Environment:
@@ -136,10 +136,6 @@ class Mode:
     def launched_rank() -> int:
         """This process's rank when something outside runlab started the ranks; 0 otherwise."""
         return 0
-
-
-class OneProcess(Mode):
-    """parallel=none: one process, one device."""
 
 
 class DataParallel(Mode):
