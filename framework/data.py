@@ -230,6 +230,9 @@ def standardize(train: np.ndarray, *others: np.ndarray) -> List[np.ndarray]:
 
 def build_data(cfg: DictConfig, seed: int) -> DataBundle:
     """The data the option ``cfg`` (conf/data/) is, built by what its ``_target_`` names."""
+    if "_target_" not in cfg:  # a checkpoint's config from before data options named their reader
+        raise ConfigError(f"this data config names no reader (data._target_), only data.source={cfg.get('source')!r}: "
+                          "it was written by an earlier runlab; train the run again to read it with this one.")
     return get_object(cfg._target_)(cfg, seed)
 
 
