@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 EXPERIMENT = ["data=synthetic", "data.num_samples=16384", "data.input_shape=[256]", "data.val_fraction=0.05",
               "data.test_fraction=0.05", "model=mlp", "model.width=1024", "model.depth=4", "batch_size=256",
               "trainer.max_epochs=1", "trainer.progress_bar=false", "trainer.test_after_fit=false",
-              "logger.name=none", "checkpoint.enabled=false", "early_stopping.enabled=false"]
+              "logger=none", "checkpoint.enabled=false", "early_stopping.enabled=false"]
 
 
 def available_modes() -> Dict[str, List[str]]:

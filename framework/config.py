@@ -1,19 +1,28 @@
 """Typed schemas for every config group, registered in Hydra's ConfigStore.
 
-Each group under conf/ extends its schema here (``defaults: [schema/<group>]``), so a typo
-in a key or a value of the wrong type is refused by Hydra while composing, and
-``validate`` rejects values that type-check but cannot work, before any work starts.
+Every group is selected the same way. An option's YAML (conf/<group>/<option>.yaml) extends its
+own schema here through its defaults list (``- /DigitsData@_here_``), so only that option's keys
+exist and a typo in a key, a value of the wrong type or one outside a closed set (an ``Enum``)
+is refused by Hydra while composing. Each option names what builds it in ``_target_``, as
+model, optimizer and scheduler do, and the group's builder dispatches on it: data.build_data,
+logger.build_logger, parallel.launch. ``validate`` then rejects values that type-check but
+cannot work, before any work starts.
+
+Each default is written once: in the YAML that sets it, beside the comment that explains it;
+the schema only types such a key (``MISSING``). A schema writes the defaults no YAML carries:
+the keys every option of its group shares (``DataConfig``), and groups without a YAML (search).
 """
 from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Set, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Set, Tuple
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import II, MISSING, DictConfig, ListConfig, OmegaConf
 
 from framework.errors import ConfigError
 from framework.paths import register_resolvers
@@ -21,100 +30,259 @@ from framework.paths import register_resolvers
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # the config groups: one per framework module
 
 
+class Choice(str, Enum):
+    """A closed set of strings. OmegaConf refuses any other value while composing; a member
+    compares, hashes, formats and prints as its string, so code reads it as the str it is."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+    @classmethod
+    def _missing_(cls, value: Any) -> Any:
+        # The command line types trainer.precision=32 as an int, and OmegaConf looks ints up by value.
+        return cls._value2member_map_.get(str(value)) if type(value) is int else None
+
+
+def closed(name: str, *values: str) -> Any:
+    """A ``Choice`` whose members are named by their values, so YAML, the command line and Hydra's
+    error ('expected one of [...]') all spell them alike."""
+    return Choice(name, [(value, value) for value in values], module=__name__, qualname=name)
+
+
+Task = closed("Task", "train", "eval", "export", "doctor")
+Split = closed("Split", "val", "test")
+Loader = closed("Loader", "auto", "memory", "dataloader")
+Precision = closed("Precision", "32", "bf16", "fp16")
+NonFinite = closed("NonFinite", "stop", "skip")
+Direction = closed("Direction", "min", "max")  # of a monitored metric: whether higher or lower is better
+Backend = closed("Backend", "auto", "nccl", "gloo")
+WandbMode = closed("WandbMode", "online", "offline", "disabled")
+
+
 @dataclass
-class TransformsConfig:
-    """imagefolder: each image is resized, cropped, flipped (training only) and normalised, in that order."""
+class Option:
+    """One option of a group: ``_target_`` names what builds it, which the group's builder calls."""
 
-    resize: int = 0  # the shorter side in pixels, aspect kept; 0: as stored
-    crop: int = 0  # a square of this side: the centre for evaluation, a random position for training; 0: none
-    flip: bool = False  # training: mirror left-right with probability 1/2
-    grayscale: bool = False  # one channel instead of RGB's three
-    mean: List[float] = field(default_factory=list)  # per channel, on pixels scaled to 0..1; []: not normalised
-    std: List[float] = field(default_factory=list)
+    _target_: str = MISSING
+    option: ClassVar[str] = ""  # how a user selects it, e.g. "data=digits"
 
+
+# Every option of data, logger and parallel, by group and name; conf/<group>/<name>.yaml extends it.
+OPTIONS: Dict[str, Dict[str, type]] = {"data": {}, "logger": {}, "parallel": {}}
+
+
+def option(group: str, name: str) -> Callable[[type], type]:
+    """Register the schema of ``group=name`` in Hydra's ConfigStore under its class name, which
+    conf/<group>/<name>.yaml extends (``defaults: [/<ClassName>@_here_, _self_]``)."""
+    def register(schema: type) -> type:
+        schema.option = f"{group}={name}"
+        OPTIONS[group][name] = schema
+        ConfigStore.instance().store(name=schema.__name__, node=schema)
+        return schema
+
+    return register
+
+
+# --- data (framework/data.py): _target_(cfg, seed) returns a data.DataBundle ----------------
 
 @dataclass
-class DataConfig:
-    # digits: scikit-learn's bundled 8x8 digits; synthetic: generated; csv / tensors: the user's file;
-    # imagefolder: the user's images in a folder per class.
-    source: str = "digits"
-    batch_size: int = MISSING  # the global batch per optimizer step; conf/data takes ${batch_size}
-    path: str = ""  # the csv, .pt or .npz file for source=csv|tensors
-    root: str = ""  # imagefolder: DIR/<class>/*.png|jpg, or DIR/train|val|test/<class>/*.png|jpg
-    transforms: TransformsConfig = field(default_factory=TransformsConfig)  # imagefolder only
-    label_column: str = "label"  # csv: the column holding integer class labels
-    features_key: str = "x"  # .pt/.npz: the tensor of inputs
-    labels_key: str = "y"  # .pt/.npz: the tensor of integer labels
-    classes: List[int] = field(default_factory=list)  # keep only these labels (relabelled 0..k-1)
+class DataConfig(Option):
+    """The keys every data source shares, with their defaults."""
+
+    batch_size: int = II("batch_size")  # the global batch per optimizer step
     val_fraction: float = 0.15
     test_fraction: float = 0.15
     split_seed: int = 0  # fixed, so every run and every trial of a sweep sees the same split
     train_per_class: int = 0  # keep only this many training samples of each class (a small labelled budget); 0: all
-    normalize: bool = True  # standardise with the training split's statistics (in-memory sources)
-    # synthetic only
-    num_samples: int = 4096
-    input_shape: List[int] = field(default_factory=lambda: [32])
-    num_classes: int = 10
-    class_sep: float = 1.0
-    noise: float = 1.0
     # auto: keep the whole set on the device and batch by indexing when it fits in
     # device_cache_mb (always on CPU); memory / dataloader force one path.
-    loader: str = "auto"
+    loader: Loader = Loader.auto
     device_cache_mb: int = 1024
     num_workers: int = 0
     eval_batch_size: int = 1024
 
 
 @dataclass
+class InMemoryDataConfig(DataConfig):
+    """Sources read whole into tensors."""
+
+    classes: List[int] = field(default_factory=list)  # keep only these labels (relabelled 0..k-1)
+    normalize: bool = True  # standardise with the training split's statistics
+
+
+@option("data", "digits")
+@dataclass
+class DigitsDataConfig(InMemoryDataConfig):
+    _target_: str = "framework.data.digits"
+
+
+@option("data", "synthetic")
+@dataclass
+class SyntheticDataConfig(InMemoryDataConfig):
+    _target_: str = "framework.data.synthetic"
+    num_samples: int = MISSING
+    input_shape: List[int] = MISSING
+    num_classes: int = MISSING
+    class_sep: float = MISSING
+    noise: float = MISSING
+
+
+@option("data", "csv")
+@dataclass
+class CSVDataConfig(InMemoryDataConfig):
+    _target_: str = "framework.data.csv_file"
+    path: str = MISSING
+    label_column: str = MISSING
+
+
+@option("data", "tensors")
+@dataclass
+class TensorsDataConfig(InMemoryDataConfig):
+    _target_: str = "framework.data.tensor_file"
+    path: str = MISSING
+    features_key: str = MISSING
+    labels_key: str = MISSING
+
+
+@dataclass
+class TransformsConfig:
+    """Each image is resized, cropped, flipped (training only) and normalised, in that order."""
+
+    resize: int = MISSING
+    crop: int = MISSING
+    flip: bool = MISSING
+    grayscale: bool = MISSING
+    mean: List[float] = MISSING
+    std: List[float] = MISSING
+
+
+@option("data", "imagefolder")
+@dataclass
+class ImageFolderDataConfig(DataConfig):
+    _target_: str = "framework.imagefolder.build_image_folder"
+    root: str = MISSING
+    transforms: TransformsConfig = field(default_factory=TransformsConfig)
+
+
+# --- logger (framework/logger.py): _target_ is a logger.Logger; its from_config builds it -----
+
+@option("logger", "none")
+@dataclass
+class NoneLoggerConfig(Option):
+    _target_: str = "framework.logger.Logger"
+
+
+@option("logger", "tensorboard")
+@dataclass
+class TensorBoardLoggerConfig(Option):
+    _target_: str = "framework.logger.TensorBoardLogger"
+    log_graph: bool = MISSING
+    histogram_every_n_epochs: int = MISSING
+    log_images: bool = MISSING
+
+
+@option("logger", "csv")
+@dataclass
+class CSVLoggerConfig(Option):
+    _target_: str = "framework.logger.CSVLogger"
+
+
+@option("logger", "wandb")
+@dataclass
+class WandbLoggerConfig(Option):
+    _target_: str = "framework.logger.WandbLogger"
+    wandb_project: str = MISSING
+    wandb_mode: WandbMode = MISSING
+
+
+# --- parallel (framework/parallel/): _target_ is a parallel.Mode, which starts the processes --
+
+@dataclass
+class ParallelConfig(Option):
+    # Whether the mode fixes which parameters train when it wraps the model (DDP registers them
+    # then, so parameters unfrozen later would never synchronise).
+    fixes_trainable_parameters: ClassVar[bool] = False
+
+
+@option("parallel", "none")
+@dataclass
+class NoneParallelConfig(ParallelConfig):
+    _target_: str = "framework.parallel.Mode"
+
+
+@option("parallel", "dp")
+@dataclass
+class DPParallelConfig(ParallelConfig):
+    _target_: str = "framework.parallel.DataParallel"
+    devices: List[str] = MISSING
+
+
+@option("parallel", "ddp")
+@dataclass
+class DDPParallelConfig(ParallelConfig):
+    _target_: str = "framework.parallel.distributed.DDP"
+    fixes_trainable_parameters: ClassVar[bool] = True
+    world_size: int = MISSING
+    backend: Backend = MISSING
+    sync_batchnorm: bool = MISSING
+    timeout_s: int = MISSING
+
+
+@option("parallel", "model")
+@dataclass
+class ModelParallelConfig(ParallelConfig):
+    _target_: str = "framework.parallel.pipeline.ModelParallel"
+    devices: List[str] = MISSING
+    microbatches: int = MISSING
+    split: List[int] = MISSING
+
+
+def schema_of(node: DictConfig) -> Optional[type]:
+    """The schema of the option a group's config is (by its ``_target_``, which survives a
+    checkpoint or a ddp worker's copy); None for a ``_target_`` of the user's own."""
+    target = node.get("_target_")
+    return next((schema for options in OPTIONS.values() for schema in options.values()
+                 if schema._target_ == target), None)
+
+
+def chosen(group: str, node: DictConfig) -> str:
+    """How the user selected this option, for messages: ``data=digits``."""
+    schema = schema_of(node)
+    return schema.option if schema else f"{group}._target_={node.get('_target_')}"
+
+
+# --- the other groups: one schema each, its values in the group's YAML ----------------------
+
+@dataclass
 class TrainerConfig:
-    max_epochs: int = 30
-    max_steps: int = -1  # -1: no step limit
-    accumulate_grad_batches: int = 1  # micro-batches per optimizer step; batch_size stays the effective batch
-    gradient_clip_val: float = 0.0  # 0: no clipping
-    precision: str = "32"  # 32 | bf16 | fp16 (fp16 needs CUDA)
-    log_every_n_steps: int = 10
-    progress_bar: bool = True  # shown only when stderr is a terminal
-    deterministic: bool = False
-    test_after_fit: bool = True  # evaluate the best checkpoint on the test split
-    on_nonfinite: str = "stop"  # a step with a non-finite loss or gradient norm: stop the run | skip the step
+    max_epochs: int = MISSING
+    max_steps: int = MISSING
+    accumulate_grad_batches: int = MISSING
+    gradient_clip_val: float = MISSING
+    precision: Precision = MISSING
+    log_every_n_steps: int = MISSING
+    progress_bar: bool = MISSING
+    deterministic: bool = MISSING
+    test_after_fit: bool = MISSING
+    on_nonfinite: NonFinite = MISSING
 
 
 @dataclass
 class CheckpointConfig:
-    enabled: bool = True
-    monitor: str = "val/acc"
-    mode: str = "max"
+    enabled: bool = MISSING
+    monitor: str = MISSING
+    mode: Direction = MISSING
 
 
 @dataclass
 class EarlyStoppingConfig:
-    enabled: bool = True
-    monitor: str = "val/acc"
-    mode: str = "max"
-    patience: int = 8
-    min_delta: float = 0.0
-
-
-@dataclass
-class ParallelConfig:
-    mode: str = "none"  # none | dp | ddp | model
-    world_size: int = 1  # ddp: processes; 0: one per GPU, or 2 on CPU (torchrun's count wins)
-    backend: str = "auto"  # ddp: auto (nccl on CUDA, gloo on CPU) | nccl | gloo
-    devices: List[str] = field(default_factory=list)  # dp: GPUs; model: one per stage; []: every visible GPU
-    microbatches: int = 1  # model: micro-batches per batch in the pipeline
-    split: List[int] = field(default_factory=list)  # model: cut points between stages; []: balance by parameters
-    sync_batchnorm: bool = False  # ddp: BatchNorm statistics over all processes (CUDA only)
-    timeout_s: int = 300  # ddp: a collective waiting longer than this fails instead of hanging
-
-
-@dataclass
-class LoggerConfig:
-    name: str = "tensorboard"  # tensorboard | csv | wandb | none
-    log_graph: bool = True
-    histogram_every_n_epochs: int = 5  # 0: never
-    log_images: bool = True
-    wandb_project: str = "runlab"
-    wandb_mode: str = "offline"  # offline needs no account and no network
+    enabled: bool = MISSING
+    monitor: str = MISSING
+    mode: Direction = MISSING
+    patience: int = MISSING
+    min_delta: float = MISSING
 
 
 @dataclass(init=False, repr=False, eq=False)
@@ -123,37 +291,35 @@ class FinetuneConfig:
     # the generated __init__/__repr__/__eq__ (which would spell it out) are switched off:
     # Hydra only reads the fields and their defaults.
     __annotations__["from"] = str
-    vars()["from"] = ""  # a checkpoint, a run dir (its best checkpoint) or outputs/<name> (its latest run)
-    strict: bool = True  # refuse missing, unexpected or shape-mismatched weights
-    head: str = ""  # the output layer to re-initialise; "": the model's head_name
-    freeze: List[str] = field(default_factory=list)  # glob patterns over parameter names
-    unfreeze_at_epoch: int = -1  # -1: never
-    backbone_lr_factor: float = 1.0  # scales lr for the frozen parameters once they train
-    pretrain: str = ""  # an experiment run first when `from` holds no checkpoint yet; its run must write there
+    vars()["from"] = MISSING
+    strict: bool = MISSING
+    head: str = MISSING
+    freeze: List[str] = MISSING
+    unfreeze_at_epoch: int = MISSING
+    backbone_lr_factor: float = MISSING
+    pretrain: str = MISSING
 
 
 @dataclass
 class EvalConfig:
-    split: str = "test"  # the split task=eval scores: test | val
+    split: Split = MISSING
 
 
 @dataclass
 class TroubleshootConfig:
-    oom_recovery: bool = True  # on out-of-memory: halve the micro-batch (or eval batch) and retry the same step
-    max_probe_batch: int = 4096  # doctor: the largest batch its fit probe tries
-    profile_steps: int = 5  # doctor: steps timed for the data-bound vs compute-bound verdict
-    leak_check_steps: int = 12  # doctor: identical steps whose memory the leak check follows
-    memory_growth_epochs: int = 3  # warn once when peak memory rises this many epochs in a row at one batch shape
-    # Testing aid: raise a synthetic out-of-memory error whenever a forward pass gets more
-    # than this many samples (-1: off; 0 fails every one), on every rank or only on inject_oom_rank.
-    inject_oom_above_batch: int = -1
-    inject_oom_rank: int = -1  # -1: every rank
+    oom_recovery: bool = MISSING
+    max_probe_batch: int = MISSING
+    profile_steps: int = MISSING
+    leak_check_steps: int = MISSING
+    memory_growth_epochs: int = MISSING
+    inject_oom_above_batch: int = MISSING
+    inject_oom_rank: int = MISSING
 
 
 @dataclass
 class PathsConfig:
-    root_dir: str = "${runlab.cwd:}"
-    output_dir: str = "${paths.root_dir}/outputs"
+    root_dir: str = MISSING
+    output_dir: str = MISSING
 
 
 @dataclass
@@ -168,22 +334,24 @@ class SearchConfig:
 
 @dataclass
 class RunConfig:
-    task: str = "train"
-    name: str = "${task}"  # names the output folder; experiments set their own
-    seed: int = 42
-    lr: float = 1e-3
-    batch_size: int = 64
-    device: str = "auto"  # auto: cuda if available, else cpu
-    optimized_metric: Any = "val/acc"  # what run.py returns to a sweeper: a metric, or a list of them (several objectives)
-    resume: str = ""  # "" | auto | path to a checkpoint
-    ckpt: str = ""  # the checkpoint for task=eval|export
-    data: DataConfig = field(default_factory=DataConfig)
+    """The root: its own keys take their values in conf/config.yaml, each group its option's."""
+
+    task: Task = MISSING
+    name: str = MISSING
+    seed: int = MISSING
+    lr: float = MISSING
+    batch_size: int = MISSING
+    device: str = MISSING
+    optimized_metric: Any = MISSING  # a metric, or a list of them (several objectives)
+    resume: str = MISSING
+    ckpt: str = MISSING
+    data: Any = MISSING  # an option of OPTIONS["data"], as the selected YAML types it
     model: Any = MISSING
     optimizer: Any = MISSING
     scheduler: Any = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    parallel: Any = MISSING
+    logger: Any = MISSING
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     finetune: FinetuneConfig = field(default_factory=lambda: FinetuneConfig)  # the class: it has no __init__
@@ -203,16 +371,6 @@ def register_configs() -> None:
 
 register_configs()
 
-TASKS = ("train", "eval", "export", "doctor")
-SPLITS = ("val", "test")
-DATA_SOURCES = ("digits", "synthetic", "csv", "tensors", "imagefolder")
-LOADERS = ("auto", "memory", "dataloader")
-PRECISIONS = ("32", "bf16", "fp16")
-LOGGERS = ("tensorboard", "csv", "wandb", "none")
-PARALLEL_MODES = ("none", "dp", "ddp", "model")
-BACKENDS = ("auto", "nccl", "gloo")
-MODES = ("min", "max")
-NONFINITE_POLICIES = ("stop", "skip")
 # Integer hyperparameters of the shipped models (framework/model.py): sizes and counts, all at least 1.
 MODEL_SIZES = ("width", "depth", "channels", "stages", "blocks_per_stage")
 # Metrics every training run produces; best/<m> mirrors the checkpoint monitor.
@@ -243,7 +401,7 @@ def known_metrics(cfg: DictConfig) -> tuple:
 
 def validate(cfg: DictConfig) -> None:
     """Reject values that type-check but cannot work, naming the key, the value and what is allowed."""
-    _one_of("task", cfg.task, TASKS)
+    _validate_set(cfg)
     _require(math.isfinite(cfg.lr) and cfg.lr > 0, f"lr={cfg.lr} is invalid; the learning rate must be a positive number.")
     _require(cfg.batch_size >= 1, f"batch_size={cfg.batch_size} is invalid; it must be a positive integer.")
     _require(0 <= cfg.seed < 2**32, f"seed={cfg.seed} is invalid; it must be an integer from 0 to 2**32 - 1.")
@@ -252,15 +410,13 @@ def validate(cfg: DictConfig) -> None:
     _validate_trainer(cfg.trainer)
     _validate_parallel(cfg.parallel)
     _validate_troubleshoot(cfg.troubleshoot)
-    _one_of("logger.name", cfg.logger.name, LOGGERS)
     for group in ("checkpoint", "early_stopping"):
-        _one_of(f"{group}.mode", cfg[group].mode, MODES)
         _one_of(f"{group}.monitor", cfg[group].monitor, RUN_METRICS)
     _require(cfg.early_stopping.patience >= 1, f"early_stopping.patience={cfg.early_stopping.patience} is invalid; it must be at least 1.")
     _require(math.isfinite(cfg.early_stopping.min_delta) and cfg.early_stopping.min_delta >= 0,
              f"early_stopping.min_delta={cfg.early_stopping.min_delta} is invalid; it must be a finite number, 0 or more.")
     _validate_objectives(cfg.optimized_metric, known_metrics(cfg))
-    for group in ("model", "optimizer"):
+    for group in ("model", "optimizer", "data", "logger", "parallel"):
         _require(isinstance(cfg[group], DictConfig) and "_target_" in cfg[group], f"{group} has no _target_; pick one with {group}=NAME.")
         _importable(f"{group}._target_", cfg[group]._target_)
     _validate_model(cfg.model)
@@ -272,12 +428,19 @@ def validate(cfg: DictConfig) -> None:
     if cfg.task in ("eval", "export"):
         _require(bool(cfg.ckpt), f"task={cfg.task} needs ckpt=PATH, a checkpoint file or a run dir.")
         _require(Path(cfg.ckpt).exists(), f"ckpt={cfg.ckpt!r} does not exist.")
-    _one_of("eval.split", cfg.eval.split, SPLITS)
     _validate_finetune(cfg.finetune)
-    # DDP registers the parameters that need gradients when it wraps the model; ones unfrozen later would never sync.
-    _require(not (cfg.parallel.mode == "ddp" and cfg.finetune.unfreeze_at_epoch >= 0),
-             f"finetune.unfreeze_at_epoch={cfg.finetune.unfreeze_at_epoch} is not supported with parallel=ddp; "
+    parallel = schema_of(cfg.parallel)
+    _require(not (parallel and parallel.fixes_trainable_parameters and cfg.finetune.unfreeze_at_epoch >= 0),
+             f"finetune.unfreeze_at_epoch={cfg.finetune.unfreeze_at_epoch} is not supported with {chosen('parallel', cfg.parallel)}; "
              "keep the backbone frozen (-1) or unfreeze from the start.")
+
+
+def _validate_set(cfg: DictConfig) -> None:
+    """A key the selected option leaves for the user (``???`` in --cfg job), named with how to set it."""
+    for key in sorted(OmegaConf.missing_keys(cfg)):
+        group = key.split(".")[0]
+        needs = f"{chosen(group, cfg[group])} needs it" if group in OPTIONS else "it has no value"
+        raise ConfigError(f"{key} is empty; {needs}: add {key}=VALUE to the command.")
 
 
 def _validate_device(device: str) -> None:
@@ -322,21 +485,17 @@ def _validate_search(search: DictConfig) -> None:
 
 
 def _validate_data(data: DictConfig) -> None:
-    _one_of("data.source", data.source, DATA_SOURCES)
-    _one_of("data.loader", data.loader, LOADERS)
-    classes = list(data.classes)
+    # By the keys the option has, so a source of the user's own that has them is checked alike.
+    classes = list(data.get("classes", []))
     _require(not classes or (len(classes) >= 2 and len(set(classes)) == len(classes)),
              f"data.classes={classes} is invalid; keep at least 2 distinct labels, or [] for all of them.")
-    if data.source in ("csv", "tensors"):
-        _require(bool(data.path), f"data.path is empty; data.source={data.source} needs the path of your file.")
+    if "path" in data:
+        _require(bool(data.path), f"data.path is empty; {chosen('data', data)} needs the path of your file.")
         _require(Path(data.path).is_file(), f"data.path={data.path!r} does not exist.")
     _require(data.train_per_class >= 0, f"data.train_per_class={data.train_per_class} is invalid; use 0 (every sample) "
                                         "or the number of training samples to keep per class.")
-    if data.source == "imagefolder":
+    if "root" in data:
         _validate_image_folder(data)
-    else:
-        _require(OmegaConf.to_container(data.transforms) == asdict(TransformsConfig()),
-                 f"data.transforms apply to data.source=imagefolder only, not to data.source={data.source}.")
     fractions = data.val_fraction + data.test_fraction
     _require(0 < data.val_fraction and 0 <= data.test_fraction and fractions < 1,
              f"data.val_fraction={data.val_fraction} and data.test_fraction={data.test_fraction} are invalid; "
@@ -345,14 +504,11 @@ def _validate_data(data: DictConfig) -> None:
 
 
 def _validate_image_folder(data: DictConfig) -> None:
-    _require(bool(data.root), "data.root is empty; data.source=imagefolder needs the folder of your images (DIR/<class>/*.png).")
+    option = chosen("data", data)
+    _require(bool(data.root), f"data.root is empty; {option} needs the folder of your images (DIR/<class>/*.png).")
     _require(Path(data.root).is_dir(), f"data.root={data.root!r} is not a folder.")
-    _require(data.loader != "memory", "data.loader=memory does not apply to data.source=imagefolder: images are decoded "
+    _require(data.loader != "memory", f"data.loader=memory does not apply to {option}: images are decoded "
                                       "by DataLoader workers (data.num_workers); use auto or dataloader.")
-    _require(not data.classes, f"data.classes={list(data.classes)} does not apply to data.source=imagefolder; "
-                               "keep only the class folders you want under data.root.")
-    _require(not data.normalize, "data.normalize=true does not apply to data.source=imagefolder; normalise with "
-                                 "data.transforms.mean and data.transforms.std.")
     transforms = data.transforms
     for key in ("resize", "crop"):
         _require(transforms[key] >= 0, f"data.transforms.{key}={transforms[key]} is invalid; use 0 (off) or a size in pixels.")
@@ -364,8 +520,6 @@ def _validate_image_folder(data: DictConfig) -> None:
 
 
 def _validate_trainer(trainer: DictConfig) -> None:
-    _one_of("trainer.precision", str(trainer.precision), PRECISIONS)
-    _one_of("trainer.on_nonfinite", trainer.on_nonfinite, NONFINITE_POLICIES)
     _require(trainer.max_epochs >= 1, f"trainer.max_epochs={trainer.max_epochs} is invalid; it must be at least 1.")
     _require(trainer.max_steps == -1 or trainer.max_steps >= 1,
              f"trainer.max_steps={trainer.max_steps} is invalid; use -1 (no limit) or a positive integer.")
@@ -376,13 +530,12 @@ def _validate_trainer(trainer: DictConfig) -> None:
 
 
 def _validate_parallel(parallel: DictConfig) -> None:
-    _one_of("parallel.mode", parallel.mode, PARALLEL_MODES)
-    _one_of("parallel.backend", parallel.backend, BACKENDS)
-    _require(parallel.world_size >= 0,
-             f"parallel.world_size={parallel.world_size} is invalid; use 0 (one process per GPU, or 2 on CPU) or a positive count.")
-    _require(parallel.microbatches >= 1, f"parallel.microbatches={parallel.microbatches} is invalid; it must be at least 1.")
-    _require(parallel.timeout_s >= 1, f"parallel.timeout_s={parallel.timeout_s} is invalid; it must be at least 1 second.")
-    cuts = list(parallel.split)
+    # By the keys the option has: each mode has only its own.
+    _require(parallel.get("world_size", 0) >= 0,
+             f"parallel.world_size={parallel.get('world_size')} is invalid; use 0 (one process per GPU, or 2 on CPU) or a positive count.")
+    _require(parallel.get("microbatches", 1) >= 1, f"parallel.microbatches={parallel.get('microbatches')} is invalid; it must be at least 1.")
+    _require(parallel.get("timeout_s", 1) >= 1, f"parallel.timeout_s={parallel.get('timeout_s')} is invalid; it must be at least 1 second.")
+    cuts = list(parallel.get("split", []))
     _require(all(0 < a < b for a, b in zip(cuts, cuts[1:] + [float("inf")])),
              f"parallel.split={cuts} is invalid; give increasing positive layer indices where the stages begin.")
 

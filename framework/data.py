@@ -2,11 +2,14 @@
 the user's own CSV or tensor file, and folders of images; plus the batch iterators the trainer
 consumes.
 
-Every source but image folders ends as in-memory tensors split train/val/test with a fixed
-seed. Batches are cut by indexing those tensors directly (no per-sample ``__getitem__`` and
-collate) unless the set is too large to keep on the device, in which case a ``DataLoader``
-streams it. Image folders (framework/imagefolder.py) are decoded by ``DataLoader`` workers.
-Every source names its classes, so a checkpoint can report labels rather than indices.
+Each option of conf/data/ names its reader in ``_target_`` (a function of the config and the
+seed that returns a ``DataBundle``), and ``build_data`` calls it: a new source is a function
+here, its schema (framework/config.py) and its YAML. Every source but image folders ends,
+through ``in_memory``, as in-memory tensors split train/val/test with a fixed seed. Batches
+are cut by indexing those tensors directly (no per-sample ``__getitem__`` and collate) unless
+the set is too large to keep on the device, in which case a ``DataLoader`` streams it. Image
+folders (framework/imagefolder.py) are decoded by ``DataLoader`` workers. Every source names
+its classes, so a checkpoint can report labels rather than indices.
 """
 from __future__ import annotations
 
@@ -19,9 +22,11 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+from hydra.utils import get_object
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
+from framework.config import chosen
 from framework.errors import ConfigError
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
@@ -77,7 +82,7 @@ def load_digits_arrays() -> Tuple[np.ndarray, np.ndarray]:
     """
     spec = importlib.util.find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("data.source=digits needs scikit-learn, which is not installed; pip install scikit-learn.")
+        raise ConfigError("data=digits needs scikit-learn, which is not installed; pip install scikit-learn.")
     path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
     table = np.loadtxt(path, delimiter=",", dtype=np.float32)
     return table[:, :-1].reshape(-1, 1, 8, 8), table[:, -1].astype(np.int64)
@@ -163,14 +168,29 @@ def load_tensor_file(path: str, features_key: str, labels_key: str) -> Tuple[np.
     return x.astype(np.float32), y.astype(np.int64), [str(name) for name in names.tolist()]
 
 
-def _read_source(cfg: DictConfig, seed: int) -> Tuple[np.ndarray, np.ndarray, List[str]]:
-    """Inputs, integer labels and the name of each label."""
-    if cfg.source in ("digits", "synthetic"):
-        x, y = load_digits_arrays() if cfg.source == "digits" else make_synthetic(cfg, seed)
-        return x, y, [str(label) for label in range(int(y.max()) + 1)]
-    if cfg.source == "csv":
-        return load_csv(cfg.path, cfg.label_column)
-    return load_tensor_file(cfg.path, cfg.features_key, cfg.labels_key)
+# Each option of conf/data/ names one of these in ``_target_``: (cfg, seed) -> DataBundle.
+
+def digits(cfg: DictConfig, seed: int) -> DataBundle:
+    x, y = load_digits_arrays()
+    return in_memory(cfg, x, y, numbered(y))
+
+
+def synthetic(cfg: DictConfig, seed: int) -> DataBundle:
+    x, y = make_synthetic(cfg, seed)
+    return in_memory(cfg, x, y, numbered(y))
+
+
+def csv_file(cfg: DictConfig, seed: int) -> DataBundle:
+    return in_memory(cfg, *load_csv(cfg.path, cfg.label_column))
+
+
+def tensor_file(cfg: DictConfig, seed: int) -> DataBundle:
+    return in_memory(cfg, *load_tensor_file(cfg.path, cfg.features_key, cfg.labels_key))
+
+
+def numbered(y: np.ndarray) -> List[str]:
+    """Names for labels that are their own names: 0..max."""
+    return [str(label) for label in range(int(y.max()) + 1)]
 
 
 # --- preparation -------------------------------------------------------------------------
@@ -209,14 +229,20 @@ def standardize(train: np.ndarray, *others: np.ndarray) -> List[np.ndarray]:
 
 
 def build_data(cfg: DictConfig, seed: int) -> DataBundle:
-    if cfg.source == "imagefolder":
-        from framework.imagefolder import build_image_folder  # it builds on this module's helpers
+    """The data the option ``cfg`` (conf/data/) is, built by what its ``_target_`` names."""
+    if "_target_" not in cfg:  # a checkpoint's config from before data options named their reader
+        raise ConfigError(f"this data config names no reader (data._target_), only data.source={cfg.get('source')!r}: "
+                          "it was written by an earlier runlab; train the run again to read it with this one.")
+    return get_object(cfg._target_)(cfg, seed)
 
-        return build_image_folder(cfg, seed)
-    x, y, names = _read_source(cfg, seed)
+
+def in_memory(cfg: DictConfig, x: np.ndarray, y: np.ndarray, names: List[str]) -> DataBundle:
+    """A source read whole (inputs, integer labels, each label's name), checked, filtered by
+    ``data.classes``, split train/val/test and standardised."""
     if not np.isfinite(x).all():  # a file of tensors (CSV cells are checked as they are read)
         sample, *position = np.argwhere(~np.isfinite(x))[0]
-        raise ConfigError(f"data.path={cfg.path!r} sample {sample}, feature {tuple(position)} is {x[(sample, *position)]}; "
+        source = f"data.path={cfg.path!r}" if "path" in cfg else chosen("data", cfg)
+        raise ConfigError(f"{source} sample {sample}, feature {tuple(position)} is {x[(sample, *position)]}; "
                           "clean the data first (runlab does not train on NaN or inf).")
     if cfg.classes:
         unknown = [c for c in cfg.classes if not 0 <= c < len(names)]
@@ -226,7 +252,7 @@ def build_data(cfg: DictConfig, seed: int) -> DataBundle:
         x, y = keep_classes(x, y, list(cfg.classes))
         names = [names[c] for c in cfg.classes]
     if len(y) < 3:
-        raise ConfigError(f"data.source={cfg.source} yielded {len(y)} samples; at least 3 are needed to split train/val/test.")
+        raise ConfigError(f"{chosen('data', cfg)} yielded {len(y)} samples; at least 3 are needed to split train/val/test.")
     train_i, val_i, test_i = split_indices(len(y), cfg.val_fraction, cfg.test_fraction, cfg.split_seed)
     train_i = per_class(train_i, y, cfg.train_per_class)
     parts = [x[train_i], x[val_i], x[test_i]]

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Union
 
 from omegaconf import DictConfig
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from framework.config import CONF_DIR, metric_value, validate
 from framework.errors import ConfigError, Interrupted, RunlabError, error_from_exit, exit_with
@@ -74,11 +77,25 @@ def compose(overrides: List[str]) -> DictConfig:
 
 
 def composition_error(error: Exception) -> str:
-    """Hydra's message for a config it could not compose (what the command line prints), on one line."""
+    """Hydra's message for a config it could not compose (what the command line prints), on one line;
+    a value outside a closed set, or a key the selected option does not have, in runlab's words."""
+    cause = error.__cause__
+    key = getattr(cause, "full_key", None)
+    closed = re.search(r"Invalid value '(.*)', expected one of \[(.*)\]", str(cause or error))
+    if key and closed:
+        return f"{key}={closed[1]!r} is not allowed; choose one of {closed[2]}."
+    schema = getattr(cause, "object_type", None)
+    if key and isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and getattr(schema, "option", ""):
+        keys = field_names(schema)
+        return f"{key} is not a key of {schema.option}; " + (f"its keys are: {', '.join(keys)}." if keys else "it has none to set.")
     text = str(error).split("Config search path:")[0]  # where Hydra looked: the same for every run
-    if error.__cause__:
-        text += f" ({str(error.__cause__).splitlines()[0]})"
+    if cause:
+        text += f" ({str(cause).splitlines()[0]})"
     return " ".join(text.split())
+
+
+def field_names(schema: type) -> List[str]:
+    return [field.name for field in dataclasses.fields(schema) if field.name != "_target_"]
 
 
 def run(overrides: Optional[List[str]] = None, run_dir: Optional[str] = None) -> RunResult:

@@ -41,7 +41,7 @@ from framework.model import accepted_keys, model_spec
 log = logging.getLogger(__name__)
 
 # What decides what the labels mean: a head trained on other labels is not reused.
-LABEL_KEYS = ("source", "path", "root", "classes")
+LABEL_KEYS = ("_target_", "path", "root", "classes")
 # Where torchvision and timm models keep their output layer.
 HEAD_MODULES = ("fc", "classifier", "head", "heads")
 RUN_PY = Path(__file__).resolve().parent.parent / "run.py"

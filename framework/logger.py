@@ -15,6 +15,7 @@ from typing import Dict, Mapping
 
 import torch
 import torch.nn.functional as F
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -26,7 +27,16 @@ Scalars = Mapping[str, float]
 
 
 class Logger:
-    """The silent logger (logger=none, and every rank but 0)."""
+    """The silent logger (logger=none, and every rank but 0).
+
+    Each option of conf/logger/ names its class in ``_target_``; ``build_logger`` calls that
+    class's ``from_config``.
+    """
+
+    @classmethod
+    def from_config(cls, options: DictConfig, cfg: DictConfig, run_dir: Path, name: str) -> "Logger":
+        """The logger for ``options`` (``cfg.logger``) of the run ``cfg`` in ``run_dir``, named ``name``."""
+        return cls()
 
     def log_metrics(self, metrics: Scalars, step: int) -> None: ...
 
@@ -130,6 +140,10 @@ class TensorBoardLogger(Logger):
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard" / name))
         self.writer.add_custom_scalars(overview_layout(monitor))
 
+    @classmethod
+    def from_config(cls, options: DictConfig, cfg: DictConfig, run_dir: Path, name: str) -> "TensorBoardLogger":
+        return cls(options, run_dir, name, cfg.checkpoint.monitor)
+
     def log_metrics(self, metrics: Scalars, step: int) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary
         from torch.utils.tensorboard.summary import scalar
@@ -201,6 +215,10 @@ class CSVLogger(Logger):
         self.writer = csv.writer(self.handle)
         self.writer.writerow(["step", "metric", "value"])
 
+    @classmethod
+    def from_config(cls, options: DictConfig, cfg: DictConfig, run_dir: Path, name: str) -> "CSVLogger":
+        return cls(run_dir / "metrics.csv")
+
     def log_metrics(self, metrics: Scalars, step: int) -> None:
         self.writer.writerows([step, name, value] for name, value in metrics.items())
         self.handle.flush()
@@ -218,7 +236,11 @@ class WandbLogger(Logger):
             import wandb
         except ImportError:
             raise ImportError("logger=wandb needs the wandb package: pip install -e '.[wandb]'.") from None
-        self.run = wandb.init(project=cfg.wandb_project, mode=cfg.wandb_mode, dir=str(run_dir), config=config)
+        self.run = wandb.init(project=cfg.wandb_project, mode=str(cfg.wandb_mode), dir=str(run_dir), config=config)
+
+    @classmethod
+    def from_config(cls, options: DictConfig, cfg: DictConfig, run_dir: Path, name: str) -> "WandbLogger":
+        return cls(options, run_dir, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
 
     def log_metrics(self, metrics: Scalars, step: int) -> None:
         self.run.log(dict(metrics), step=step)
@@ -231,12 +253,7 @@ class WandbLogger(Logger):
 
 
 def build_logger(cfg: DictConfig, run_dir: Path, is_main: bool, name: str) -> Logger:
-    """The logger ``cfg.logger`` names, for the run called ``name`` (see ``run_name``)."""
-    options = cfg.logger
-    if not is_main or options.name == "none":
+    """The logger whose class ``cfg.logger._target_`` names, for the run called ``name`` (see ``run_name``)."""
+    if not is_main:
         return Logger()
-    if options.name == "tensorboard":
-        return TensorBoardLogger(options, run_dir, name, cfg.checkpoint.monitor)
-    if options.name == "csv":
-        return CSVLogger(run_dir / "metrics.csv")
-    return WandbLogger(options, run_dir, OmegaConf.to_container(cfg, resolve=True))
+    return get_object(cfg.logger._target_).from_config(cfg.logger, cfg, run_dir, name)

@@ -167,7 +167,7 @@ class Trainer:
     def resolved_config(self) -> Dict[str, Any]:
         """The config as plain data, as every checkpoint holds it: converted once, since it does not
         change during a run (converting takes a few ms, a sizeable part of a small model's epoch)."""
-        return OmegaConf.to_container(self.cfg, resolve=True)
+        return OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)
 
     def load_state(self, state: Dict[str, Any]) -> None:
         """Restore exactly what ``state()`` saved."""

@@ -68,6 +68,10 @@ def test_an_unknown_model_names_the_available_options(cli):
     (["checkpoint.monitor=val/f1"], "checkpoint.monitor='val/f1' is not allowed"),
     (["data=csv", "data.path=/nonexistent/train.csv"], "data.path='/nonexistent/train.csv' does not exist"),
     (["trainer.precision=16"], "trainer.precision='16' is not allowed; choose one of 32, bf16, fp16"),
+    (["data.loader=fast"], "data.loader='fast' is not allowed; choose one of auto, memory, dataloader."),
+    (["data.root=images"], "data.root is not a key of data=digits; its keys are: batch_size,"),
+    (["logger=csv", "logger.log_graph=false"], "logger.log_graph is not a key of logger=csv; it has none to set."),
+    (["data=csv"], "data.path is empty; data=csv needs it: add data.path=VALUE to the command."),
     (["model._target_=torch.nn.Nope"], "model._target_='torch.nn.Nope' cannot be imported"),
     (["batch_size=100000"], "batch_size=100000 is larger than the 1257 training samples"),
 ])
@@ -75,6 +79,29 @@ def test_bad_values_are_refused_before_any_work(train, overrides, message):
     with pytest.raises(ConfigError) as error:
         train(*overrides)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("group", ["data", "logger", "parallel"])
+def test_every_option_extends_its_own_schema_and_names_its_builder(group):
+    from hydra.utils import get_object
+    from omegaconf import OmegaConf
+
+    from conftest import REPO, composed
+    from framework.config import OPTIONS
+
+    assert sorted(OPTIONS[group]) == sorted(path.stem for path in (REPO / "conf" / group).glob("*.yaml"))
+    for name, schema in OPTIONS[group].items():
+        node = composed(f"{group}={name}")[group]
+        assert OmegaConf.get_type(node) is schema and schema.option == f"{group}={name}"
+        assert callable(get_object(node._target_))
+
+
+def test_a_closed_set_reads_as_its_string():
+    from conftest import composed
+
+    cfg = composed("trainer.precision=32", "task=train")
+    assert cfg.trainer.precision == "32" and f"{cfg.trainer.precision}" == str(cfg.trainer.precision) == "32"
+    assert {"train": 1}[cfg.task] == 1
 
 
 def test_a_csv_without_the_label_column_names_its_columns(train, tmp_path):

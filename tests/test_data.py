@@ -162,7 +162,8 @@ def test_images_that_cannot_be_read_or_come_out_in_two_sizes_fail_in_one_line(tm
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["data.transforms.flip=true"], "data.transforms apply to data.source=imagefolder only"),
+    (["data.transforms.flip=true"], "data.transforms is not a key of data=digits; its keys are: batch_size,"),
+    (["data=imagefolder", "data.root=.", "data.classes=[1,2]"], "data.classes is not a key of data=imagefolder"),
     (["data.train_per_class=-1"], "data.train_per_class=-1 is invalid"),
     (["data=imagefolder"], "data.root is empty"),
     (["data=imagefolder", "data.root=.", "data.transforms.mean=[0.5]", "data.transforms.std=[0.5]"],
@@ -171,3 +172,11 @@ def test_images_that_cannot_be_read_or_come_out_in_two_sizes_fail_in_one_line(tm
 def test_image_and_budget_settings_that_cannot_work_are_refused(train, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         train(*overrides)
+
+
+def test_a_data_config_from_before_options_named_their_reader_is_refused_in_one_line():
+    from omegaconf import OmegaConf
+
+    old = OmegaConf.create({"source": "digits", "batch_size": 64, "val_fraction": 0.15, "test_fraction": 0.15})
+    with pytest.raises(ConfigError, match=r"names no reader \(data._target_\), only data.source='digits'"):
+        build_data(old, seed=0)

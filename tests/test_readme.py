@@ -27,7 +27,7 @@ from typing import Iterator, List, Tuple
 
 import pytest
 
-from conftest import REPO, UserShell, copy_repository
+from conftest import REPO, UserShell, copy_repository, read_metrics
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 SERVING = re.compile(r"TensorBoard \S+ at (http://\S+/) ")
@@ -184,3 +184,33 @@ def test_readme_step_works_verbatim_in_a_fresh_copy(reader, step, tmp_path):
         done = reader.run(step.command, timeout=500)
         assert done.returncode == 0, f"{where}: `{step.command}` exited {done.returncode}:\n" \
                                      f"{(done.stdout + done.stderr)[-3000:]}"
+
+
+def extending_example() -> Tuple[List[Tuple[str, str]], str]:
+    """The README's worked example of a new option: the (kind, text) of the blocks that add to a
+    file, each naming the file on its first line, and the command that uses the option."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("\n## Extending"):]
+    section = section[:section.index("\n## ", 1)]
+    blocks = [(match.group(1), match.group(2)) for match in FENCE.finditer(section)]
+    return [(kind, body) for kind, body in blocks if kind in ("py", "yaml")], next(b for k, b in blocks if k == "sh").strip()
+
+
+@pytest.mark.timeout(600)
+def test_the_extending_example_adds_a_data_source_in_a_fresh_copy(user):
+    files, command = extending_example()
+    assert [kind for kind, _ in files] == ["py", "py", "yaml"]
+    for kind, body in files:
+        path = user.repo / body.splitlines()[0].removeprefix("#").strip()
+        if kind == "py":  # added at the end of a module
+            path.write_text(path.read_text() + "\n\n" + body)
+        else:
+            assert not path.exists()
+            path.write_text(body)
+    done = user.run(command, timeout=500)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    (run_dir,) = user.runs("train")
+    assert read_metrics(run_dir)["test/acc"] > 0.9  # two half circles, learnt by the default MLP
+    refused = user.run("python run.py data=moons data.root=x")
+    assert refused.returncode == 1 and "Key 'root' not in 'MoonsDataConfig'" in refused.stderr
+    assert "moons" in user.run("python run.py --help").stdout

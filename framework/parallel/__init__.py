@@ -1,6 +1,7 @@
 """Parallelism (conf/parallel/): the one place that knows about devices and processes.
 
-``launch`` runs a task in the processes the mode needs and hands each an ``Environment``:
+Each option of conf/parallel/ names its ``Mode`` in ``_target_``. ``launch`` has that mode run
+a task in the processes it needs and hand each an ``Environment``:
 where that process runs, how it wraps the model and how it talks to the others. Models and
 the training loop never import ``torch.distributed``.
 
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, List
 
 import torch
+from hydra.utils import get_object
 from omegaconf import DictConfig
 from torch import nn
 
@@ -119,28 +121,52 @@ def data_parallel(cfg: DictConfig) -> Environment:
     return DataParallelEnvironment(device=torch.device("cuda", ids[0]), device_ids=ids)
 
 
-def setup(cfg: DictConfig) -> Environment:
-    """The environment of a single-process mode (ddp processes get theirs from ``launch``)."""
-    if cfg.parallel.mode == "dp":
-        return data_parallel(cfg)
-    if cfg.parallel.mode == "model":
-        from framework.parallel.pipeline import pipeline_environment
-
-        return pipeline_environment(cfg)
-    return Environment(device=resolve_device(cfg.device))
-
-
 Task = Callable[[DictConfig, Path, Environment], Any]
+
+
+class Mode:
+    """How a parallel option runs a task: each option of conf/parallel/ names its Mode in
+    ``_target_``. This one (parallel=none) runs the task here, in the one process's ``environment``."""
+
+    @staticmethod
+    def environment(cfg: DictConfig) -> Environment:
+        """The environment of this process when it runs the task alone."""
+        return Environment(device=resolve_device(cfg.device))
+
+    @classmethod
+    def launch(cls, task: Task, cfg: DictConfig, run_dir: Path) -> Any:
+        env = cls.environment(cfg)
+        try:
+            return task(cfg, Path(run_dir), env)
+        finally:
+            env.cleanup()
+
+    @staticmethod
+    def launched_rank() -> int:
+        """This process's rank when something outside runlab started the ranks; 0 otherwise."""
+        return 0
+
+
+class DataParallel(Mode):
+    """parallel=dp: one process, the model replicated on every GPU."""
+
+    environment = staticmethod(data_parallel)
+
+
+def mode(cfg: DictConfig) -> type:
+    """The ``Mode`` the run's parallel option names."""
+    return get_object(cfg.parallel._target_)
+
+
+def setup(cfg: DictConfig) -> Environment:
+    """This process's environment for a task it runs alone (a ddp run's processes get theirs from ``launch``)."""
+    return mode(cfg).environment(cfg)
 
 
 def launched_rank(cfg: DictConfig) -> int:
     """This process's rank when something outside runlab started the ranks (torchrun, the tasks
     of a SLURM job): they may share one run dir. 0 otherwise."""
-    if cfg.parallel.mode != "ddp":
-        return 0
-    from framework.parallel.distributed import launched_rank as rank
-
-    return rank()
+    return mode(cfg).launched_rank()
 
 
 def launch(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
@@ -148,12 +174,4 @@ def launch(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
 
     ``task`` must be a module-level function: ddp pickles it into freshly spawned processes.
     """
-    if cfg.parallel.mode == "ddp":
-        from framework.parallel.distributed import launch_ddp
-
-        return launch_ddp(task, cfg, Path(run_dir))
-    env = setup(cfg)
-    try:
-        return task(cfg, Path(run_dir), env)
-    finally:
-        env.cleanup()
+    return mode(cfg).launch(task, cfg, Path(run_dir))

@@ -41,7 +41,7 @@ from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 
 from framework.errors import ConfigError, Interrupted, RunlabError
-from framework.parallel import Environment, Task, resolve_device
+from framework.parallel import Environment, Mode, Task, resolve_device
 from framework.paths import LOCK_FILE
 from framework.signals import STOP_SIGNALS
 
@@ -203,6 +203,13 @@ def launch_ddp(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
     if under_torchrun():
         return join_torchrun(task, cfg, run_dir)
     return spawn_workers(task, cfg, run_dir)
+
+
+class DDP(Mode):
+    """parallel=ddp: the task runs in every process of the group, each in its DistributedEnvironment."""
+
+    launch = staticmethod(launch_ddp)
+    launched_rank = staticmethod(launched_rank)
 
 
 # --- checks ------------------------------------------------------------------------------

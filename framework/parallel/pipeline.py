@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from framework.errors import ConfigError
-from framework.parallel import Environment, resolve_device
+from framework.parallel import Environment, Mode, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -139,3 +139,9 @@ def pipeline_environment(cfg: DictConfig) -> PipelineEnvironment:
     devices = pipeline_devices(list(cfg.parallel.devices))
     return PipelineEnvironment(device=devices[0], devices=devices, split=list(cfg.parallel.split),
                                microbatches=cfg.parallel.microbatches)
+
+
+class ModelParallel(Mode):
+    """parallel=model: one process, the model's stages on several devices."""
+
+    environment = staticmethod(pipeline_environment)

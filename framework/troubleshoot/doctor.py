@@ -128,7 +128,7 @@ def doctor_config(cfg: DictConfig) -> DictConfig:
     """The run's config, minus what would make the doctor write or recover instead of measure."""
     cfg = copy.deepcopy(cfg)
     with open_dict(cfg):
-        cfg.logger.name = "none"
+        cfg.logger = {"_target_": "framework.logger.Logger"}
         cfg.checkpoint.enabled = False
         cfg.troubleshoot.oom_recovery = False  # the doctor wants to see an out-of-memory error, not hide it
     return cfg
