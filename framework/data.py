@@ -231,9 +231,22 @@ def standardize(train: np.ndarray, *others: np.ndarray) -> List[np.ndarray]:
 def build_data(cfg: DictConfig, seed: int) -> DataBundle:
     """The data the option ``cfg`` (conf/data/) is, built by what its ``_target_`` names."""
     if "_target_" not in cfg:  # a checkpoint's config from before data options named their reader
-        raise ConfigError(f"this data config names no reader (data._target_), only data.source={cfg.get('source')!r}: "
-                          "it was written by an earlier runlab; train the run again to read it with this one.")
+        cfg = earlier_data_config(cfg)
     return get_object(cfg._target_)(cfg, seed)
+
+
+def earlier_data_config(cfg: DictConfig) -> DictConfig:
+    """A data config as runlab wrote it before each option named its reader (``data.source=NAME``),
+    with the reader of that option, so checkpoints of that time still evaluate, export and fine-tune."""
+    from framework.config import OPTIONS
+
+    schema = OPTIONS["data"].get(cfg.get("source"))
+    if schema is None:
+        raise ConfigError(f"this data config names no reader (data._target_) and no known data.source "
+                          f"({cfg.get('source')!r}); choose the data on the command line (data=NAME).")
+    cfg = cfg.copy()
+    cfg._target_ = schema._target_
+    return cfg
 
 
 def in_memory(cfg: DictConfig, x: np.ndarray, y: np.ndarray, names: List[str]) -> DataBundle:

@@ -174,9 +174,14 @@ def test_image_and_budget_settings_that_cannot_work_are_refused(train, overrides
         train(*overrides)
 
 
-def test_a_data_config_from_before_options_named_their_reader_is_refused_in_one_line():
+def test_a_data_config_from_before_options_named_their_reader_reads_as_its_source():
+    """Checkpoints written when data.source chose the reader still evaluate, export and fine-tune."""
     from omegaconf import OmegaConf
 
-    old = OmegaConf.create({"source": "digits", "batch_size": 64, "val_fraction": 0.15, "test_fraction": 0.15})
-    with pytest.raises(ConfigError, match=r"names no reader \(data._target_\), only data.source='digits'"):
-        build_data(old, seed=0)
+    current = OmegaConf.to_container(composed().data, resolve=True, enum_to_str=True)
+    earlier = OmegaConf.create({**{k: v for k, v in current.items() if k != "_target_"}, "source": "digits",
+                                "num_samples": 4096, "path": ""})  # that config held every source's keys
+    now, then = build_data(OmegaConf.create(current), seed=0), build_data(earlier, seed=0)
+    assert torch.equal(now.train.x, then.train.x) and torch.equal(now.test.y, then.test.y)
+    with pytest.raises(ConfigError, match=r"names no reader \(data._target_\) and no known data.source \('mnist'\)"):
+        build_data(OmegaConf.create({**earlier, "source": "mnist"}), seed=0)
