@@ -19,6 +19,7 @@ from typing import Dict, List
 
 import pytest
 import torch
+from torch import nn
 
 from conftest import REPO, SHRINK, aids_on_path, read_metrics
 from framework.checkpoint import load_checkpoint
@@ -339,11 +340,12 @@ def test_a_user_error_in_a_ddp_worker_stays_a_config_error(train):
 
 
 def test_the_private_ddp_api_the_out_of_memory_agreement_relies_on(tmp_path):
-    """zero_gradient_buckets reads DDP's reducer: its buckets, in all-reduce order, holding zeros."""
+    """zero_gradient_buckets reads DDP's reducer: its buckets, in all-reduce order, holding zeros; the
+    agreement's DDP (whichever buffer keyword this torch has) broadcasts no buffers before a forward."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from framework.parallel.distributed import zero_gradient_buckets
+    from framework.parallel.distributed import OutOfMemoryAgreement, zero_gradient_buckets
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
@@ -354,5 +356,9 @@ def test_the_private_ddp_api_the_out_of_memory_agreement_relies_on(tmp_path):
         assert sum(bucket.buffer().numel() for bucket in buckets) == sum(p.numel() for p in model.parameters()
                                                                          if p.requires_grad)
         assert all(not bucket.buffer().any() for bucket in buckets)
+        # The agreement averages buffers itself: its DDP broadcasts none before a forward.
+        with_buffers = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+        assert DistributedDataParallel(with_buffers).will_sync_module_buffers()
+        assert not OutOfMemoryAgreement(with_buffers, torch.device("cpu")).wrap(with_buffers, None).will_sync_module_buffers()
     finally:
         dist.destroy_process_group()

@@ -13,6 +13,7 @@ from typing import List
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from conftest import REPO, SHRINK, read_metrics
 from framework.checkpoint import load_checkpoint
@@ -221,6 +222,20 @@ def test_doctor_on_cpu_without_gputil_writes_every_section(train, monkeypatch, c
     assert checks["the configured micro-batch fits"]
     printed = capsys.readouterr().out
     assert "== largest batch ==" in printed and "micro-batch 64 fits" in printed
+
+
+def test_doctor_advice_names_config_keys_that_exist(tmp_path):
+    bench = make_bench(tmp_path, "troubleshoot.inject_oom_above_batch=40")
+    x, y = doctor_module.first_batch(bench)
+    fit = doctor_module.largest_batch(bench, 256)
+    configured, bench.step.micro_batch = bench.step.micro_batch, 32  # the doctor's steps run backed off
+    checks = doctor_module.static_checks(bench, x, y, fit, configured)
+    checks.append(doctor_module.mixed_precision_check(bench.cfg))  # the check a CUDA run adds
+    advice = {c["check"]: c["detail"] for c in checks}
+    assert "or set trainer.accumulate_grad_batches=2" in advice["the configured micro-batch fits"]
+    assert advice["mixed precision on CUDA"].startswith("trainer.precision=32 on CUDA")
+    named = re.findall(r"\b([a-z_]+(?:\.[a-z_]+)+)=", " ".join(advice.values()))
+    assert named and [key for key in named if OmegaConf.select(bench.cfg, key) is None] == []
 
 
 def test_gpu_status_reads_a_mocked_gputil_table(monkeypatch):

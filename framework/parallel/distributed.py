@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import functools
 import gc
+import inspect
 import logging
 import os
 import shutil
@@ -52,6 +53,15 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 
+# DDP's switch for its buffer broadcast before each forward: forward_sync_buffers from torch 2.13,
+# broadcast_buffers (deprecated there) before it. The older one also skips the buffers in the
+# initial broadcast, where every rank holds the same buffers anyway (same seed, same module), and
+# after a failed step the next step's average makes them equal again.
+NO_BUFFER_BROADCAST_IN_FORWARD = (
+    {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False})
+
+
 class OutOfMemoryAgreement:
     """How the processes of a ddp run agree after every step whether one ran out of memory
     (troubleshoot.oom_recovery), keeping DDP's overlap of the gradient all-reduce with backward.
@@ -82,7 +92,7 @@ class OutOfMemoryAgreement:
         self.buckets_sent = 0
 
     def wrap(self, module: nn.Module, device_ids) -> DistributedDataParallel:
-        model = DistributedDataParallel(module, device_ids=device_ids, forward_sync_buffers=False)
+        model = DistributedDataParallel(module, device_ids=device_ids, **NO_BUFFER_BROADCAST_IN_FORWARD)
         model.register_comm_hook(self, all_reduce_bucket)
         return model
 

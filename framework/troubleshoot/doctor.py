@@ -351,13 +351,18 @@ def static_checks(examined: Bench, x: torch.Tensor, y: torch.Tensor, fit: Dict[s
     checks.append(check("the configured micro-batch fits", fits,
                         f"micro-batch {configured_micro_batch} is within the {largest} that fit",
                         f"micro-batch {configured_micro_batch} is above the {largest} that fit: training will halve it to "
-                        f"{backed_off(configured_micro_batch, largest)}, or set examined.accumulate_grad_batches={math.ceil(per_process / max(largest, 1))}; "
-                        "mixed precision (examined.precision=bf16) or a smaller model also lower memory"))
+                        f"{backed_off(configured_micro_batch, largest)}, or set trainer.accumulate_grad_batches={math.ceil(per_process / max(largest, 1))}; "
+                        "mixed precision (trainer.precision=bf16) or a smaller model also lower memory"))
     if examined.env.device.type == "cuda":
-        checks.append(check("mixed precision on CUDA", str(examined.cfg.examined.precision) != "32",
-                            f"examined.precision={examined.cfg.examined.precision}",
-                            "examined.precision=32 on CUDA: bf16 or fp16 roughly halves activation memory and speeds up"))
+        checks.append(mixed_precision_check(examined.cfg))
     return checks
+
+
+def mixed_precision_check(cfg: DictConfig) -> Dict[str, Any]:
+    """On CUDA: whether the run uses bf16 or fp16."""
+    precision = str(cfg.trainer.precision)
+    return check("mixed precision on CUDA", precision != "32", f"trainer.precision={precision}",
+                 "trainer.precision=32 on CUDA: bf16 or fp16 roughly halves activation memory and speeds up")
 
 
 def check(name: str, ok: bool, passed: str, failed: str) -> Dict[str, Any]:
