@@ -248,6 +248,16 @@ def test_a_killed_sweep_resumes_without_replay_and_reruns_its_interrupted_trial(
     assert f"Trial {interrupted} did not finish in an earlier run of this sweep" in result.stdout
 
 
+def drawn_running(directory: Path) -> bool:
+    """Whether a RUNNING trial has its parameters (one killed between Optuna's ask and its draw
+    never ran: the resumed sweep records it so and draws a new trial in its place)."""
+    try:
+        params = study_params(directory)
+    except sqlite3.OperationalError:  # not created yet
+        return False
+    return any(state == "RUNNING" and params.get(number) for number, state in states_or_none(directory).items())
+
+
 def checkpointed_running(directory: Path) -> bool:
     """Whether a RUNNING trial has written its first checkpoint."""
     return any(state == "RUNNING" and (directory / str(number) / "checkpoints" / "last.pt").is_file()
@@ -339,10 +349,9 @@ def test_a_sweep_killed_on_a_token_ray_cluster_resumes_without_replay_and_record
             "trainer.max_epochs=4", "early_stopping.enabled=false", *NAN_IN_TRIAL_1]
     driver = user.start(shlex.join(["python", "run.py", *TINY, *args]), tmp_path / "driver.log", env=env)
     directory = sweep_dir(user, "train_random")
-    try:  # kill -9 once a trial has ended and another is running
+    try:  # kill -9 once a trial has ended and another is running with its parameters drawn
         deadline = time.monotonic() + 200
-        while not {"RUNNING", "COMPLETE"} <= set(states_or_none(directory).values()) and \
-                not {"RUNNING", "FAIL"} <= set(states_or_none(directory).values()):
+        while not ({"COMPLETE", "FAIL"} & set(states_or_none(directory).values()) and drawn_running(directory)):
             assert driver.poll() is None and time.monotonic() < deadline, (tmp_path / "driver.log").read_text()[-3000:]
             time.sleep(0.1)
     finally:
