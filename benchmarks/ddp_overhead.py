@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -59,7 +60,6 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import framework  # noqa: E402
 from framework.data import make_synthetic, split_indices, standardize  # noqa: E402
-from framework.parallel.distributed import free_port  # noqa: E402
 
 TARGET = 1.05  # runlab (oom_recovery on) / hand-written
 WORLD_SIZE, SEED, LR, WEIGHT_DECAY, NUM_CLASSES = 2, 42, 1e-3, 0.01, 10
@@ -144,6 +144,12 @@ def hand_written_worker(rank: int, args: SimpleNamespace, port: int, reports) ->
                          "train_loss": loss_sum.item() / WORLD_SIZE / args.steps, "val_acc": correct / count})
     finally:
         dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def run_hand_written(args: argparse.Namespace) -> Dict[str, float]:
