@@ -63,6 +63,20 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     _fsync_dir(path.parent)
 
 
+def atomic_link(source: Path, path: Path) -> None:
+    """Make ``path`` a second name of the written and synced file ``source``, atomically: no data is
+    copied or synced again. ``source`` is only ever replaced, never changed in place, so ``path``
+    keeps this content. Where the file system has no hard links, a copy."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        os.link(source, tmp)
+    except OSError:
+        atomic_write(path, lambda copy: shutil.copyfile(source, copy))
+        return
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
 def disk_full(error: BaseException, directory: Path) -> bool:
     """Whether a failed write failed for want of space. torch.save reports it as a RuntimeError
     ("unexpected pos"), not ENOSPC, so the free space is read while the partial file still fills it."""
@@ -311,7 +325,7 @@ class Checkpointer:
     def _write(self, state: Dict[str, Any], improved: bool) -> None:
         save_checkpoint(state, self.last)
         if improved:
-            atomic_write(self.best, lambda tmp: shutil.copyfile(self.last, tmp))
+            atomic_link(self.last, self.best)
 
     def wait(self) -> None:
         in_flight, self._in_flight = self._in_flight, None

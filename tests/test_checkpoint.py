@@ -103,3 +103,15 @@ def test_the_snapshot_is_not_changed_by_later_training(tmp_path):
     checkpointer.wait()
     assert torch.equal(load_checkpoint(tmp_path / "last.pt")["w"], torch.zeros(3))
     assert (tmp_path / "best.pt").is_file()
+
+
+def test_best_keeps_its_epoch_when_later_epochs_replace_last(tmp_path):
+    """best.pt is a second name of the last.pt it was (no copy); replacing last.pt must leave it be."""
+    checkpointer = Checkpointer(tmp_path, "val/acc", "max", enabled=True, is_writer=True)
+    for epoch, accuracy in enumerate([0.5, 0.7, 0.6]):
+        checkpointer.maybe_save(lambda: {"epoch": epoch, "w": torch.full((3,), float(epoch))}, {"val/acc": accuracy})
+        checkpointer.wait()
+    best, last = load_checkpoint(tmp_path / "best.pt"), load_checkpoint(tmp_path / "last.pt")
+    assert best["epoch"] == 1 and torch.equal(best["w"], torch.ones(3))
+    assert last["epoch"] == 2 and torch.equal(last["w"], torch.full((3,), 2.0))
+    assert sorted(os.listdir(tmp_path)) == ["best.pt", "last.pt"]  # no temporary file left
