@@ -13,6 +13,7 @@ The training loop (trainer.py) and the doctor (troubleshoot/doctor.py) both driv
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Dict, Optional
 
 import torch
@@ -21,7 +22,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from framework.errors import ConfigError
-from framework.nonfinite import NonFiniteGuard
+from framework.nonfinite import GradientCheck, NonFiniteGuard
 from framework.parallel import Environment
 from framework.troubleshoot.oom import OOMRecovery
 
@@ -85,7 +86,8 @@ class TrainStep:
                  nonfinite: NonFiniteGuard, oom: OOMRecovery, logger):
         self.env, self.optimizer, self.nonfinite, self.oom, self.logger = env, optimizer, nonfinite, oom, logger
         self.model = model  # the wrapped model: under ddp a failed step may wrap it anew (after_failed_step)
-        self.parameters = list(model.parameters())  # listed once: walking the modules costs more than the norm
+        self.parameters = list(model.parameters())  # listed once: walking the modules costs more than the check
+        self.gradient_check = GradientCheck(self.parameters)
         self.precision = Precision(str(cfg.trainer.precision), env.device)
         self.clip = cfg.trainer.gradient_clip_val
         self.configured_sizes = configured_micro_batch(cfg, env.world_size), cfg.data.eval_batch_size
@@ -102,8 +104,8 @@ class TrainStep:
         the step was not finite and skipped. ``where`` names the step in messages."""
         while (loss := self.gradients(x, y, index)) is None:
             pass  # a process ran out of memory: every one backed off, and the same step is tried again
-        grad_norm = self.unscaled_grad_norm()
-        applied = self.nonfinite.step_is_finite(loss, grad_norm, where, self.lr)
+        self.unscale_and_clip()
+        applied = self.nonfinite.step_is_finite(loss, self.gradient_check, where, self.lr)
         if applied:
             self.precision.scaler.step(self.optimizer)
         self.precision.scaler.update()
@@ -128,9 +130,10 @@ class TrainStep:
         """Forward and backward over the batch in micro-batches; returns the batch's mean loss (detached)."""
         self.optimizer.zero_grad(set_to_none=True)
         batch_loss = None
-        micro_x, micro_y = x.split(self.micro_batch), y.split(self.micro_batch)
-        last = len(micro_y) - 1
-        for i, (xs, ys) in enumerate(zip(micro_x, micro_y)):
+        # A batch that is one micro-batch is not split: each split is an op, and a small model's step is a few.
+        micro_batches = zip(x.split(self.micro_batch), y.split(self.micro_batch)) if len(y) > self.micro_batch else [(x, y)]
+        last = math.ceil(len(y) / self.micro_batch) - 1
+        for i, (xs, ys) in enumerate(micro_batches):
             # Gradients accumulate locally until the last micro-batch, whose backward synchronises
             # them across processes (under ddp: bucket by bucket, overlapped with that backward).
             with self.env.no_sync(self.model) if i < last else contextlib.nullcontext():
@@ -144,13 +147,11 @@ class TrainStep:
             batch_loss = loss.detach() if batch_loss is None else batch_loss + loss.detach()
         return batch_loss
 
-    def unscaled_grad_norm(self) -> torch.Tensor:
-        """The gradients' total norm (clipped to trainer.gradient_clip_val when set), as a tensor: no host sync."""
+    def unscale_and_clip(self) -> None:
+        """Unscale fp16 gradients, and clip them to trainer.gradient_clip_val when it is set."""
         self.precision.scaler.unscale_(self.optimizer)
-        parameters = [p for p in self.parameters if p.grad is not None]
         if self.clip:
-            return torch.nn.utils.clip_grad_norm_(parameters, self.clip)
-        return torch.nn.utils.get_total_norm([p.grad for p in parameters])
+            torch.nn.utils.clip_grad_norm_([p for p in self.parameters if p.grad is not None], self.clip)
 
     @property
     def lr(self) -> float:

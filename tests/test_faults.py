@@ -81,11 +81,12 @@ def test_a_diverging_run_stops_at_the_step_and_keeps_the_last_finite_checkpoints
 
 def test_a_diverging_ddp_run_stops_every_rank_with_one_line(cli, user):
     line = one_line_error(cli("parallel=ddp", "lr=1e6", *QUICK), exit_code=3)
-    assert "training diverged at step 3 (epoch 1)" in line and line.endswith("No checkpoint was written before it.")
+    assert re.search(r"training diverged at step \d+ \(epoch 1\)", line) and line.endswith("No checkpoint was written before it.")
 
 
-def test_skip_drops_the_non_finite_steps_and_counts_them(cli, user):
-    result = cli(FAULTY, "+model.nan_at_steps=[3,7]", "trainer.on_nonfinite=skip", "trainer.max_epochs=1", *QUICK,
+@pytest.mark.parametrize("fault", ["nan_at_steps", "nan_grad_at_steps"])  # a NaN loss; a finite loss with NaN gradients
+def test_skip_drops_the_non_finite_steps_and_counts_them(cli, user, fault):
+    result = cli(FAULTY, f"+model.{fault}=[3,7]", "trainer.on_nonfinite=skip", "trainer.max_epochs=1", *QUICK,
                  env=aids_on_path(user))
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = user.runs()
@@ -93,6 +94,12 @@ def test_skip_drops_the_non_finite_steps_and_counts_them(cli, user):
     assert metrics["trainer/nonfinite_steps_skipped"] == 2 and math.isfinite(metrics["train/loss"])
     assert all_finite(weights(run_dir))
     assert (run_dir / "train.log").read_text().count("Skipped step") == 2
+
+
+def test_a_finite_loss_with_non_finite_gradients_stops_at_that_step(cli, user):
+    line = one_line_error(cli(FAULTY, "+model.nan_grad_at_steps=[3]", *QUICK, env=aids_on_path(user)), exit_code=3)
+    assert re.search(r"training diverged at step 3 \(epoch 1\): loss \d[^,]*, gradient norm nan\.", line), line
+    assert line.endswith("No checkpoint was written before it.")
 
 
 def test_a_non_finite_validation_metric_stops_the_run_before_any_checkpoint(cli, user):
