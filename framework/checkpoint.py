@@ -68,12 +68,15 @@ def atomic_link(source: Path, path: Path) -> None:
     copied or synced again. ``source`` is only ever replaced, never changed in place, so ``path``
     keeps this content. Where the file system has no hard links, a copy."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.unlink(missing_ok=True)  # left by a process of this pid that died between link and rename
     try:
         os.link(source, tmp)
     except OSError:
         atomic_write(path, lambda copy: shutil.copyfile(source, copy))
         return
     os.replace(tmp, path)
+    # Where path already was a name of source, rename() leaves both names as they were.
+    tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
 
 

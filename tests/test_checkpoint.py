@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from framework.errors import CheckpointError
-from framework.checkpoint import (Checkpointer, EarlyStopping, MetricTracker, load_checkpoint, load_model,
+from framework.checkpoint import (Checkpointer, atomic_link, EarlyStopping, MetricTracker, load_checkpoint, load_model,
                                   rng_state, save_checkpoint, set_rng_state)
 
 
@@ -115,3 +115,12 @@ def test_best_keeps_its_epoch_when_later_epochs_replace_last(tmp_path):
     assert best["epoch"] == 1 and torch.equal(best["w"], torch.ones(3))
     assert last["epoch"] == 2 and torch.equal(last["w"], torch.full((3,), 2.0))
     assert sorted(os.listdir(tmp_path)) == ["best.pt", "last.pt"]  # no temporary file left
+
+
+def test_linking_best_to_the_same_last_twice_leaves_no_temporary_file(tmp_path):
+    """rename() does nothing when both names already are the same file: the link's temporary name must still go."""
+    save_checkpoint({"epoch": 1}, tmp_path / "last.pt")
+    for _ in range(3):
+        atomic_link(tmp_path / "last.pt", tmp_path / "best.pt")
+    assert load_checkpoint(tmp_path / "best.pt")["epoch"] == 1
+    assert sorted(os.listdir(tmp_path)) == ["best.pt", "last.pt"]
