@@ -10,6 +10,7 @@ import csv
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Dict, Mapping
 
@@ -132,12 +133,27 @@ def run_name(name: str, run_dir: Path, trial: NoTrial) -> str:
 HISTOGRAM_BINS = 30  # about as many as TensorBoard draws
 
 
+def summary_writer_class() -> type:
+    """torch's ``SummaryWriter``, imported without botocore.
+
+    TensorBoard's file layer imports botocore, when it is installed (hydra-ray-launcher installs
+    it), to offer s3:// log dirs. A run's log dir is always local, and the import cost 0.1-0.2 s
+    of every run's start; where botocore was imported already, nothing changes."""
+    absent = "botocore" not in sys.modules
+    if absent:
+        sys.modules["botocore"] = None  # importing it raises ImportError
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    finally:
+        if absent:
+            del sys.modules["botocore"]  # code that needs it later imports it as usual
+    return SummaryWriter
+
+
 class TensorBoardLogger(Logger):
     def __init__(self, cfg: DictConfig, run_dir: Path, name: str, monitor: str):
-        from torch.utils.tensorboard import SummaryWriter
-
         self.cfg, self.name = cfg, name
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard" / name))
+        self.writer = summary_writer_class()(log_dir=str(run_dir / "tensorboard" / name))
         self.writer.add_custom_scalars(overview_layout(monitor))
 
     @classmethod

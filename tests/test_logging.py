@@ -1,5 +1,7 @@
 import csv
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
+from conftest import REPO
 from framework.logger import TensorBoardLogger
 
 # The group TensorBoard opens on, in the order it shows the cards.
@@ -139,3 +142,13 @@ def test_wandb_runs_offline_without_an_account(train, monkeypatch):
     metrics, run_dir = train("logger=wandb", "trainer.max_epochs=1")
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+def test_the_tensorboard_logger_leaves_botocore_unimported_but_importable():
+    """TensorBoard imports botocore for s3:// log dirs (0.1-0.2 s), which a run never has; code that
+    needs botocore afterwards still imports it."""
+    script = ("import sys; from framework.logger import summary_writer_class; summary_writer_class()\n"
+              "assert 'botocore' not in sys.modules, 'botocore was imported'\n"
+              "import botocore.exceptions")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
