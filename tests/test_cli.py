@@ -114,3 +114,17 @@ def test_a_foreign_checkpoint_is_refused_for_resume(train, tmp_path):
     torch.save({"state_dict": {"w": torch.zeros(1)}}, tmp_path / "foreign.pt")
     with pytest.raises(CheckpointError, match="not a runlab checkpoint"):
         train(f"resume={tmp_path / 'foreign.pt'}")
+
+
+def test_a_config_file_is_parsed_once_until_it_changes(tmp_path):
+    """The config source keeps what it parsed (run.py composes twice): each load hands out its own copy,
+    and a file edited between two compositions (a notebook's next framework.run) is read anew."""
+    from hydra_plugins.runlab_config import RunlabConfigSource
+
+    source = RunlabConfigSource(provider="main", path=str(tmp_path))
+    (tmp_path / "exp.yaml").write_text("defaults:\n  - _self_\nlr: 0.1\n")
+    first = source.load_config("exp")
+    del first.config["defaults"]  # as Hydra does with every config it is given
+    assert source.load_config("exp").config == {"defaults": ["_self_"], "lr": 0.1}
+    (tmp_path / "exp.yaml").write_text("defaults:\n  - _self_\nlr: 0.25\n")
+    assert source.load_config("exp").config.lr == 0.25
