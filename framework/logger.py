@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import math
 import os
 import re
 import sys
@@ -133,6 +134,38 @@ def run_name(name: str, run_dir: Path, trial: NoTrial) -> str:
 HISTOGRAM_BINS = 30  # about as many as TensorBoard draws
 
 
+def histogram(tag: str, values: torch.Tensor):
+    """A TensorBoard histogram of the finite values, binned by torch where the tensor lives:
+    ``SummaryWriter.add_histogram`` sorts every value in numpy (about 10 ms for a 256x256 weight,
+    half a small model's epoch) into ~1500 bins, which TensorBoard redraws as about 30 anyway.
+    None when no value is finite."""
+    from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
+
+    values = values.detach().flatten().float()
+    stats = statistics(values)
+    if not all(map(math.isfinite, stats)):  # a step skipped as non-finite leaves its gradients behind
+        values = values[values.isfinite()]
+        stats = statistics(values)
+        if not stats:
+            return None
+    low, high, total, squares = stats
+    # One value: a bin of width 1 around it, as numpy makes.
+    first, last = (low, high) if low < high else (low - 0.5, high + 0.5)
+    counts = torch.histc(values, bins=HISTOGRAM_BINS, min=first, max=last)
+    # TensorBoard reads each bin's upper limit; a leading empty bin puts the lowest edge on the chart.
+    histo = HistogramProto(min=low, max=high, num=values.numel(), sum=total, sum_squares=squares,
+                           bucket_limit=torch.linspace(first, last, HISTOGRAM_BINS + 1).tolist(),
+                           bucket=[0.0, *counts.tolist()])
+    return Summary.Value(tag=tag, histo=histo)
+
+
+def statistics(values: torch.Tensor) -> list:
+    """Min, max, sum and sum of squares (nan or inf where a value is), in one host sync; [] when empty."""
+    if not values.numel():
+        return []
+    return torch.stack([values.min(), values.max(), values.sum(), values.square().sum()]).tolist()
+
+
 def summary_writer_class() -> type:
     """torch's ``SummaryWriter``, imported without botocore.
 
@@ -178,31 +211,19 @@ class TensorBoardLogger(Logger):
             log.warning("TensorBoard could not trace the model graph (%s); skipping it.", error)
 
     def log_histograms(self, model: nn.Module, epoch: int) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
         every = self.cfg.histogram_every_n_epochs
         if not every or epoch % every:
             return
-        # Gradients beside their weights, in the group "weights" that sorts after "overview".
+        # Gradients beside their weights, in the group "weights" that sorts after "overview"; one event for all.
+        tensors = {}
         for name, parameter in model.named_parameters():
-            self.add_histogram(f"weights/{name}", parameter.detach(), epoch)
+            tensors[f"weights/{name}"] = parameter
             if parameter.grad is not None:
-                self.add_histogram(f"weights/{name}/grad", parameter.grad, epoch)
-
-    def add_histogram(self, tag: str, values: torch.Tensor, epoch: int) -> None:
-        """``SummaryWriter.add_histogram``, binned by torch where the tensor lives: its default
-        sorts every value in numpy (about 10 ms for a 256x256 weight, half a small model's epoch)
-        into ~1500 bins, which TensorBoard redraws as about 30 anyway."""
-        values = values.detach().flatten().float()
-        values = values[values.isfinite()]  # a step skipped as non-finite leaves its gradients behind
-        if not len(values):
-            return
-        low, high, total, squares = torch.stack([values.min(), values.max(), values.sum(), values.square().sum()]).tolist()
-        # One value: a bin of width 1 around it, as numpy makes.
-        first, last = (low, high) if low < high else (low - 0.5, high + 0.5)
-        counts = torch.histc(values, bins=HISTOGRAM_BINS, min=first, max=last)
-        # TensorBoard reads each bin's upper limit; a leading empty bin puts the lowest edge on the chart.
-        self.writer.add_histogram_raw(tag, min=low, max=high, num=values.numel(), sum=total, sum_squares=squares,
-                                      bucket_limits=torch.linspace(first, last, HISTOGRAM_BINS + 1).tolist(),
-                                      bucket_counts=[0.0, *counts.tolist()], global_step=epoch)
+                tensors[f"weights/{name}/grad"] = parameter.grad
+        values = [histogram(tag, tensor) for tag, tensor in tensors.items()]
+        self.writer.file_writer.add_summary(Summary(value=[value for value in values if value is not None]), epoch)
 
     def log_predictions(self, images, labels, predictions, epoch: int) -> None:
         if self.cfg.log_images:

@@ -83,10 +83,17 @@ def test_tensorboard_opens_on_the_overview_and_keeps_hparams_out_of_the_charts(t
 def test_a_histogram_summarises_the_finite_values(tmp_path):
     logger = TensorBoardLogger(OmegaConf.create({"histogram_every_n_epochs": 1, "log_graph": False, "log_images": False}),
                                tmp_path, "run", "val/acc")
-    logger.add_histogram("weights/w", torch.tensor([0.5, -1.0, float("nan"), 2.0]), epoch=0)
+    weights = torch.nn.Linear(2, 2)
+    weights.weight.data = torch.tensor([[0.5, -1.0], [float("nan"), 2.0]])
+    weights.bias.data = torch.full((2,), float("inf"))  # no finite value: no histogram
+    weights.weight.grad = torch.ones(2, 2)
+    logger.log_histograms(weights, epoch=0)
     logger.close()
-    [event] = read_events(tmp_path).Histograms("weights/w")
-    histogram = event.histogram_value
+    events = read_events(tmp_path)
+    assert events.Tags()["histograms"] == ["weights/weight", "weights/weight/grad"]
+    grad = events.Histograms("weights/weight/grad")[0].histogram_value
+    assert (grad.min, grad.max, grad.num) == (1.0, 1.0, 4) and sum(grad.bucket) == 4  # one value: a bin around it
+    histogram = events.Histograms("weights/weight")[0].histogram_value
     assert (histogram.min, histogram.max, histogram.num, histogram.sum, histogram.sum_squares) == (-1.0, 2.0, 3, 1.5, 5.25)
     assert sum(histogram.bucket) == 3 and histogram.bucket_limit[-1] == 2.0
 
