@@ -20,8 +20,8 @@ epoch and this cannot be switched off, so the hand-written loop does the same pa
                      troubleshoot.oom_recovery=true (runlab's default) and/or false
 
 What is timed: rank 0's wall time from just before the first step to the end of the validation
-pass (runlab: metrics["train_seconds"], which also holds runlab's per-step work: the gradient-norm
-pass, the non-finite check's host sync, and every trainer.log_every_n_steps=10 steps an all-reduce
+pass (runlab: metrics["train_seconds"], which also holds runlab's per-step work: the non-finite
+check's pass over the gradients and its host sync, and every trainer.log_every_n_steps=10 steps an all-reduce
 of the running loss and of the stop flag; hand-written: a perf_counter around its loop and
 validation, plus one all-reduce of the mean training loss). Neither side synchronises the ranks
 before starting its clock: both wrap the model in DDP (which broadcasts the weights, a
@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -60,6 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import framework  # noqa: E402
 from framework.data import make_synthetic, split_indices, standardize  # noqa: E402
+from framework.parallel.distributed import free_port  # noqa: E402
 
 TARGET = 1.05  # runlab (oom_recovery on) / hand-written
 WORLD_SIZE, SEED, LR, WEIGHT_DECAY, NUM_CLASSES = 2, 42, 1e-3, 0.01, 10
@@ -108,48 +108,49 @@ def hand_written_worker(rank: int, args: SimpleNamespace, port: int, reports) ->
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
                             timeout=timedelta(seconds=300))
     try:
-        train_x, train_y, val_x, val_y = synthetic_splits(args)
-        torch.manual_seed(SEED)
-        model = DistributedDataParallel(hand_written_model(args.input, args.width, args.depth))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-        per_rank = args.batch // WORLD_SIZE
-        order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(SEED))  # epoch 0
-
-        started = time.perf_counter()
-        model.train()
-        loss_sum = torch.zeros(())
-        for step in range(args.steps):
-            offset = step * args.batch + rank * per_rank
-            index = order[offset:offset + per_rank]
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(train_x[index]), train_y[index])
-            loss.backward()
-            optimizer.step()
-            loss_sum += loss.detach()
-        dist.all_reduce(loss_sum)
-        model.eval()
-        totals = torch.zeros(3, dtype=torch.float64)
-        with torch.inference_mode():
-            for xs, ys in zip(val_x[rank::WORLD_SIZE].split(EVAL_BATCH), val_y[rank::WORLD_SIZE].split(EVAL_BATCH)):
-                logits = model(xs)
-                totals[0] += F.cross_entropy(logits, ys, reduction="sum")
-                totals[1] += (logits.argmax(1) == ys).sum()
-                totals[2] += len(ys)
-        dist.all_reduce(totals)
-        val_loss, correct, count = totals.tolist()
-        seconds = time.perf_counter() - started
-
+        report = train_and_validate(rank, args)
         if rank == 0:
-            reports.put({"train_seconds": seconds, "threads": torch.get_num_threads(),
-                         "train_loss": loss_sum.item() / WORLD_SIZE / args.steps, "val_acc": correct / count})
+            reports.put(report)
     finally:
+        # After train_and_validate returned: its DDP model, whose reducer holds the group, is gone.
+        # Destroyed under a live reducer, gloo's teardown can abort the process (SIGABRT).
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def train_and_validate(rank: int, args: SimpleNamespace) -> Dict[str, float]:
+    """The hand-written loop: --steps optimizer steps, then one validation pass; rank 0's figures."""
+    train_x, train_y, val_x, val_y = synthetic_splits(args)
+    torch.manual_seed(SEED)
+    model = DistributedDataParallel(hand_written_model(args.input, args.width, args.depth))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    per_rank = args.batch // WORLD_SIZE
+    order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(SEED))  # epoch 0
+
+    started = time.perf_counter()
+    model.train()
+    loss_sum = torch.zeros(())
+    for step in range(args.steps):
+        offset = step * args.batch + rank * per_rank
+        index = order[offset:offset + per_rank]
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(train_x[index]), train_y[index])
+        loss.backward()
+        optimizer.step()
+        loss_sum += loss.detach()
+    dist.all_reduce(loss_sum)
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64)
+    with torch.inference_mode():
+        for xs, ys in zip(val_x[rank::WORLD_SIZE].split(EVAL_BATCH), val_y[rank::WORLD_SIZE].split(EVAL_BATCH)):
+            logits = model(xs)
+            totals[0] += F.cross_entropy(logits, ys, reduction="sum")
+            totals[1] += (logits.argmax(1) == ys).sum()
+            totals[2] += len(ys)
+    dist.all_reduce(totals)
+    val_loss, correct, count = totals.tolist()
+    seconds = time.perf_counter() - started
+    return {"train_seconds": seconds, "threads": torch.get_num_threads(),
+            "train_loss": loss_sum.item() / WORLD_SIZE / args.steps, "val_acc": correct / count}
 
 
 def run_hand_written(args: argparse.Namespace) -> Dict[str, float]:
