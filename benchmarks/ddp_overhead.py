@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -112,8 +113,9 @@ def hand_written_worker(rank: int, args: SimpleNamespace, port: int, reports) ->
         if rank == 0:
             reports.put(report)
     finally:
-        # After train_and_validate returned: its DDP model, whose reducer holds the group, is gone.
-        # Destroyed under a live reducer, gloo's teardown can abort the process (SIGABRT).
+        # Only once the DDP model, whose reducer holds the group, is gone: it sits in a reference
+        # cycle, and destroyed under a live reducer gloo's teardown can abort the process (SIGABRT).
+        gc.collect()
         dist.destroy_process_group()
 
 
