@@ -45,7 +45,7 @@ class CheckpointError(RunlabError, ValueError):
 
 
 class DivergedError(RunlabError):
-    """Training produced a nan or inf in the loss, a gradient or a validation metric."""
+    """Training produced a non-finite loss, gradient norm or validation metric."""
 
     exit_code = 3
 

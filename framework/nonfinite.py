@@ -1,4 +1,4 @@
-"""trainer.on_nonfinite: what a step with a nan or inf in its loss or gradients does.
+"""trainer.on_nonfinite: what a step with a non-finite loss or gradient norm does.
 
 - ``stop`` (default): the step is not applied, and the run ends with ``DivergedError`` (exit
   code 3). Nothing after the last finite epoch is written, so ``last.pt`` and ``best.pt``
@@ -6,8 +6,8 @@
 - ``skip``: the step is not applied (its gradients are dropped), training goes on, and
   ``metrics.json`` counts the skipped steps.
 
-The decision reads the gradients after DDP has averaged them, so every rank skips the same
-steps. Under fp16 the GradScaler already skips steps whose scaled gradients
+The decision reads the gradient norm after DDP has averaged the gradients, so every rank
+skips the same steps. Under fp16 the GradScaler already skips steps whose scaled gradients
 overflowed (that is how it finds its scale), so there only the loss is checked. A
 non-finite validation metric means the weights themselves are broken: it stops the run in
 either mode.
@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import defaultdict
-from typing import Callable, Dict, Iterable, List
+from typing import Callable, Dict
 
 import torch
 
@@ -28,54 +27,18 @@ log = logging.getLogger(__name__)
 MODES = ("stop", "skip")
 
 
-class GradientCheck:
-    """Whether a loss or any gradient holds a nan or inf: one pass over the gradients and one
-    host sync per device, where a gradient norm would read them, square them and reduce them.
-
-    The pass is the fused kernel torch's GradScaler runs on every fp16 step (a private op, pinned
-    by tests/test_training.py), given a scale of 1, which leaves every value as it is.
-    """
-
-    def __init__(self, parameters: Iterable[torch.nn.Parameter]):
-        self.parameters: Dict[torch.device, List[torch.nn.Parameter]] = defaultdict(list)
-        for parameter in parameters:
-            self.parameters[parameter.device].append(parameter)
-        # Per device: the flag the kernel sets (it never clears it) and the scale it multiplies by.
-        self.flags: Dict[torch.device, tuple] = {}
-
-    def nonfinite(self, loss: torch.Tensor) -> bool:
-        tensors = {device: [p.grad for p in group if p.grad is not None] for device, group in self.parameters.items()}
-        tensors.setdefault(loss.device, []).append(loss.detach())
-        for device, group in tensors.items():
-            if device not in self.flags:
-                self.flags[device] = torch.zeros(1, device=device), torch.ones(1, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, *self.flags[device])
-        found = [flag for flag, _ in self.flags.values() if flag.item()]
-        for flag in found:
-            flag.zero_()
-        return bool(found)
-
-    def norm(self) -> float:
-        """The gradients' total norm, for a message."""
-        grads = [p.grad for group in self.parameters.values() for p in group if p.grad is not None]
-        return torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
-
-
 class NonFiniteGuard:
     def __init__(self, mode: str, precision: str, kept: Callable[[], str]):
         self.mode, self.precision = mode, precision
         self.kept = kept  # what the run's checkpoints hold, for the message
         self.skipped = 0
 
-    def step_is_finite(self, loss: torch.Tensor, gradients: GradientCheck, where: str, lr: float) -> bool:
+    def step_is_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor, where: str, lr: float) -> bool:
         """Whether to apply this step; raises ``DivergedError`` when it is not finite and the mode is stop."""
-        if self.precision == "fp16":
-            finite = math.isfinite(loss.item())  # the GradScaler checks the gradients itself
-        else:
-            finite = not gradients.nonfinite(loss)
-        if finite:
+        checked = loss if self.precision == "fp16" else loss + grad_norm  # one host sync for both
+        if math.isfinite(checked.item()):
             return True
-        values = f"loss {loss.item():.4g}, gradient norm {gradients.norm():.4g}"
+        values = f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}"
         if self.mode == "stop":
             raise DivergedError(self.diverged(where, values, lr))
         self.skipped += 1

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from framework.errors import ConfigError
-from framework.nonfinite import GradientCheck, NonFiniteGuard
+from framework.nonfinite import NonFiniteGuard
 from framework.parallel import Environment
 from framework.troubleshoot.oom import OOMRecovery
 
@@ -86,8 +86,7 @@ class TrainStep:
                  nonfinite: NonFiniteGuard, oom: OOMRecovery, logger):
         self.env, self.optimizer, self.nonfinite, self.oom, self.logger = env, optimizer, nonfinite, oom, logger
         self.model = model  # the wrapped model: under ddp a failed step may wrap it anew (after_failed_step)
-        self.parameters = list(model.parameters())  # listed once: walking the modules costs more than the check
-        self.gradient_check = GradientCheck(self.parameters)
+        self.parameters = list(model.parameters())  # listed once: walking the modules costs more than the norm
         self.precision = Precision(str(cfg.trainer.precision), env.device)
         self.clip = cfg.trainer.gradient_clip_val
         self.configured_sizes = configured_micro_batch(cfg, env.world_size), cfg.data.eval_batch_size
@@ -104,8 +103,8 @@ class TrainStep:
         the step was not finite and skipped. ``where`` names the step in messages."""
         while (loss := self.gradients(x, y, index)) is None:
             pass  # a process ran out of memory: every one backed off, and the same step is tried again
-        self.unscale_and_clip()
-        applied = self.nonfinite.step_is_finite(loss, self.gradient_check, where, self.lr)
+        grad_norm = self.unscaled_grad_norm()
+        applied = self.nonfinite.step_is_finite(loss, grad_norm, where, self.lr)
         if applied:
             self.precision.scaler.step(self.optimizer)
         self.precision.scaler.update()
@@ -147,11 +146,13 @@ class TrainStep:
             batch_loss = loss.detach() if batch_loss is None else batch_loss + loss.detach()
         return batch_loss
 
-    def unscale_and_clip(self) -> None:
-        """Unscale fp16 gradients, and clip them to trainer.gradient_clip_val when it is set."""
+    def unscaled_grad_norm(self) -> torch.Tensor:
+        """The gradients' total norm (clipped to trainer.gradient_clip_val when set), as a tensor: no host sync."""
         self.precision.scaler.unscale_(self.optimizer)
+        parameters = [p for p in self.parameters if p.grad is not None]
         if self.clip:
-            torch.nn.utils.clip_grad_norm_([p for p in self.parameters if p.grad is not None], self.clip)
+            return torch.nn.utils.clip_grad_norm_(parameters, self.clip)
+        return torch.nn.utils.get_total_norm([p.grad for p in parameters])
 
     @property
     def lr(self) -> float:
