@@ -72,9 +72,10 @@ KILL_MID_WRITE = textwrap.dedent("""
     path = sys.argv[1]
     save_checkpoint({"step": 1, "w": torch.ones(1000)}, path)
     real_save = torch.save
-    def dying_save(obj, handle):
-        handle.write(b"PK\\x03\\x04 half a checkpoint")
-        handle.flush()
+    def dying_save(obj, target):
+        with open(target, "wb") as handle:
+            handle.write(b"PK\\x03\\x04 half a checkpoint")
+            handle.flush()
         os.kill(os.getpid(), signal.SIGKILL)
     torch.save = dying_save
     save_checkpoint({"step": 2, "w": torch.zeros(1000)}, path)
