@@ -4,7 +4,9 @@ The job: experiment=digits_mlp for --epochs epochs (its MLP on the bundled digit
 batch size, a cosine schedule stepped per epoch), validate after every epoch, test once at
 the end. Timed whole, set-up included (reading the data, building the model and optimizer; for
 runlab also composing the config, the run dir, logging and checkpoints), in one process,
-alternating rounds after one warm-up round, keeping each way's median:
+alternating rounds after one warm-up round. Each way's ratio is the median over the rounds of
+its time over the hand-written run's in the same round, with the range, and the same ratio of
+CPU time (every thread of this process: TensorBoard's and the checkpoint writer's included):
 
   hand-written     a plain loop over tensors in memory: the limit
   runlab defaults  framework.run(...) as the command line runs it: TensorBoard, checkpoints, progress bar
@@ -149,6 +151,12 @@ def lightning_ways(epochs: int, workdir: str) -> Dict[str, Callable[[], None]]:
                                           enable_model_summary=False)}
 
 
+def per_round(seconds: Dict[str, List[float]], name: str) -> List[float]:
+    """Each round's time of ``name`` over the hand-written run's in that round: this machine's speed
+    drifts from minute to minute, and neighbours in time share it."""
+    return [mine / hand for mine, hand in zip(seconds[name], seconds["hand-written"])]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=30)
@@ -163,19 +171,23 @@ def main() -> None:
                 "runlab bare": lambda: runlab([*overrides, *BARE], args.epochs, workdir),
                 **lightning_ways(args.epochs, workdir)}
         times: Dict[str, List[float]] = {name: [] for name in ways}
+        cpu: Dict[str, List[float]] = {name: [] for name in ways}
         for round_ in range(args.rounds + 1):
             for name, way in ways.items():
-                started = time.perf_counter()
+                started, started_cpu = time.perf_counter(), time.process_time()
                 way()
                 if round_:  # round 0 warms up: imports, the first Hydra compose, allocator
                     times[name].append(time.perf_counter() - started)
+                    cpu[name].append(time.process_time() - started_cpu)
     median = {name: statistics.median(t) for name, t in times.items()}
     print(f"digits_mlp, {args.epochs} epochs, whole runs: torch threads {torch.get_num_threads()}, "
-          f"median of {args.rounds} rounds")
+          f"median of {args.rounds} rounds; x: the median of each round's ratio to the hand-written run beside it")
+    print(f"  {'':<19} {'wall':>9}   {'x hand-written':>14}   {'range':>11}   {'cpu x':>6}")
     for name, seconds in median.items():
-        ratio = seconds / median["hand-written"]
+        ratios = per_round(times, name)
         target = f"   (target <= {TARGETS[name]:.2f}x)" if name in TARGETS else ""
-        print(f"  {name:<19} {seconds:7.3f} s   {ratio:5.2f}x hand-written{target}")
+        print(f"  {name:<19} {seconds:7.3f} s   {statistics.median(ratios):13.2f}x   {min(ratios):4.2f}-{max(ratios):4.2f}x"
+              f"   {statistics.median(per_round(cpu, name)):5.2f}x{target}")
     if not any(name.startswith("lightning") for name in median):
         print("  (lightning is not installed: no Lightning figures)")
 
