@@ -31,8 +31,9 @@ the process group down.
 
 Each repeat runs every way once, in a rotated order (so none is always first); the table shows
 the median of the repeats and the best, and the median divided by --steps (the validation
-pass included); the target is checked on the ratio of medians (the
-ratio of bests is printed beside it). Other load on the machine's cores moves all of it, and
+pass included). The target is checked on the median of each repeat's ratio to the hand-written
+run of the same repeat (this machine's speed drifts from minute to minute, and runs close in
+time share it); the ratios of medians and of bests are printed beside it. Other load on the machine's cores moves all of it, and
 only ever upwards: the load average is printed before and after, and every run's figure too.
 """
 from __future__ import annotations
@@ -244,11 +245,13 @@ def main() -> None:
           f"{grad_mb:.1f} MB of fp32 gradients all-reduced per step; global batch {args.batch} "
           f"({args.batch // WORLD_SIZE} per rank), AdamW lr {LR:g}, {args.steps} steps + 1 validation pass of "
           f"{VAL_SAMPLES} samples; rank 0's training seconds, median of {args.repeats} interleaved repeat(s)\n")
-    print("| way | train s (median) | best | ms per step (median) | vs hand-written: medians | bests |")
-    print("|---|---:|---:|---:|---:|---:|")
+    ratio = {name: statistics.median(r["train_seconds"] / hand["train_seconds"]
+                                     for r, hand in zip(rs, runs["hand-written DDP"])) for name, rs in runs.items()}
+    print("| way | train s (median) | best | ms per step (median) | vs hand-written: per repeat | medians | bests |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name in ways:
         print(f"| {name} | {median[name]:.3f} | {best[name]:.3f} | {1000 * median[name] / args.steps:.1f} "
-              f"| {median[name] / base:.3f}x | {best[name] / best['hand-written DDP']:.3f}x |")
+              f"| {ratio[name]:.3f}x | {median[name] / base:.3f}x | {best[name] / best['hand-written DDP']:.3f}x |")
     on, off = "runlab, oom_recovery=true", "runlab, oom_recovery=false"
     if on in median and off in median:
         print(f"\nOOM recovery's cost: runlab with it on takes {median[on] / median[off]:.3f}x the time of runlab "
@@ -259,8 +262,9 @@ def main() -> None:
               f"train loss {rs[-1]['train_loss']:.4f}, val acc {rs[-1]['val_acc']:.4f}")
     print(f"load average (1 min) {load_before:.2f} before, {os.getloadavg()[0]:.2f} after; whole benchmark {wall:.0f} s")
     if on in median:
-        verdict = "met" if median[on] / base <= TARGET else "not met"
-        print(f"\ntarget <= {TARGET:.2f}x (runlab with oom_recovery=true / hand-written): {median[on] / base:.3f}x, {verdict}")
+        verdict = "met" if ratio[on] <= TARGET else "not met"
+        print(f"\ntarget <= {TARGET:.2f}x (runlab with oom_recovery=true / hand-written, per repeat): {ratio[on]:.3f}x, "
+              f"{verdict}")
     else:
         print(f"\ntarget <= {TARGET:.2f}x is for runlab with oom_recovery=true, which --recovery off does not run")
 
