@@ -32,9 +32,9 @@ class ConfigFileError(ConfigError, ConfigCompositionException):
 
 
 class RunlabConfigSource(FileConfigSource):
-    # Each file as parsed, by its path, mtime and size. Hydra changes the configs it is given
-    # (it removes their defaults lists), so every load hands out a copy.
-    parsed: Dict[Tuple[str, int, int], ConfigResult] = {}
+    # Each file as last parsed, by its path, with the mtime and size it had. Hydra changes the
+    # configs it is given (it removes their defaults lists), so every load hands out a copy.
+    parsed: Dict[str, Tuple[Tuple[int, int], ConfigResult]] = {}
 
     @staticmethod
     def scheme() -> str:
@@ -46,13 +46,13 @@ class RunlabConfigSource(FileConfigSource):
             stat = os.stat(path)
         except OSError:
             return super().load_config(config_path)  # Hydra's own error for a missing file
-        key = (path, stat.st_mtime_ns, stat.st_size)
-        if key not in self.parsed:
+        version = (stat.st_mtime_ns, stat.st_size)
+        if self.parsed.get(path, (None,))[0] != version:
             try:
-                self.parsed[key] = super().load_config(config_path)
+                self.parsed[path] = version, super().load_config(config_path)
             except yaml.YAMLError as error:
                 raise ConfigFileError(describe(error)) from None
-        result = self.parsed[key]
+        result = self.parsed[path][1]
         return ConfigResult(config=copy.deepcopy(result.config), path=result.path, provider=result.provider,
                             header=dict(result.header))
 
