@@ -6,7 +6,6 @@ position, every RNG state and the resolved config with the model's constructor c
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import pickle
@@ -21,7 +20,7 @@ import torch
 from hydra.utils import get_object
 from torch import nn
 
-from framework.errors import CheckpointError, ResourceError
+from framework.errors import CheckpointError, ResourceError, disk_full
 from framework.model import EXTRA_BUILDERS, build_model
 from framework.paths import shown
 
@@ -29,7 +28,6 @@ log = logging.getLogger(__name__)
 
 FORMAT = "runlab-checkpoint"
 VERSION = 1
-FULL_DISK_BYTES = 1 << 20  # less free space than this after a failed write: the disk is full
 # What a training run saves (Trainer.state) and needs back to resume; "metrics" came later and is optional.
 TRAINING_STATE = ("model", "model_spec", "optimizer", "scheduler", "scaler", "epoch", "step", "batch_in_epoch",
                   "micro_batch", "checkpointer", "early_stopping", "rng", "config")
@@ -78,17 +76,6 @@ def atomic_link(source: Path, path: Path) -> None:
     # Where path already was a name of source, rename() leaves both names as they were.
     tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
-
-
-def disk_full(error: BaseException, directory: Path) -> bool:
-    """Whether a failed write failed for want of space. torch.save reports it as a RuntimeError
-    ("unexpected pos"), not ENOSPC, so the free space is read while the partial file still fills it."""
-    if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    try:
-        return shutil.disk_usage(directory).free < FULL_DISK_BYTES
-    except OSError:
-        return False
 
 
 def save_checkpoint(state: Dict[str, Any], path: Path) -> None:

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from framework.config import CONF_DIR, metric_value, validate
-from framework.errors import ConfigError, Interrupted, RunlabError, error_from_exit, exit_with
+from framework.errors import ConfigError, Interrupted, RunLogHandler, RunlabError, error_from_exit, exit_with
 from framework.paths import create_run_dir
 from framework.results import RunResult, SweepResult
 
@@ -127,7 +127,7 @@ def run_logging(log_file: Path) -> Iterator[None]:
     """The run's train.log, and on the console the lines the command line prints there, unless
     something already prints the log (Hydra, pytest, the caller's own logging set-up)."""
     root = logging.getLogger()
-    handlers: List[logging.Handler] = [logging.FileHandler(log_file)]
+    handlers: List[logging.Handler] = [RunLogHandler(log_file)]
     if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler) for h in root.handlers):
         handlers.append(logging.StreamHandler(sys.stdout))  # a notebook shows stdout as the cell's output
     for handler in handlers:

@@ -7,10 +7,13 @@ file, with no traceback before it (``HYDRA_FULL_ERROR=1`` re-raises it instead).
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
 import signal
 import sys
+from pathlib import Path
 from typing import Callable, List, NoReturn
 
 log = logging.getLogger("framework")
@@ -56,6 +59,22 @@ class ResourceError(RunlabError):
     exit_code = 4
 
 
+FULL_DISK_BYTES = 1 << 20  # less free space than this after a failed write: the disk is full
+
+
+def disk_full(error: BaseException, directory: Path) -> bool:
+    """Whether a failed write failed for want of space. torch.save reports it as a RuntimeError
+    ("unexpected pos"), not ENOSPC, so the free space is read while the partial file still fills it."""
+    return getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or out_of_space(directory)
+
+
+def out_of_space(directory: Path) -> bool:
+    try:
+        return shutil.disk_usage(directory).free < FULL_DISK_BYTES
+    except OSError:
+        return False
+
+
 class SweepError(RunlabError):
     """A sweep stopped before its end (too many failed trials, or its launcher could not start)."""
 
@@ -79,6 +98,18 @@ class Interrupted(RunlabError):
 
 def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
+
+
+class RunLogHandler(logging.FileHandler):
+    """train.log. A line that cannot be written for want of space is dropped quietly: the run
+    stops at its next checkpoint, TensorBoard or metrics.json write with one line, and a
+    traceback for each dropped line ("--- Logging error ---") would bury it."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError) and disk_full(error, Path(self.baseFilename).parent):
+            return
+        super().handleError(record)
 
 
 def log_to_files(message: str) -> None:

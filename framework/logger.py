@@ -7,11 +7,13 @@ logger; the other ranks get the silent base class.
 from __future__ import annotations
 
 import csv
+import functools
 import logging
 import math
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import Dict, Mapping
 
@@ -21,6 +23,8 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from framework.errors import ResourceError, disk_full
+from framework.paths import shown
 from framework.search.trial import NoTrial
 
 log = logging.getLogger(__name__)
@@ -51,6 +55,22 @@ class Logger:
     def log_hparams(self, hparams: Scalars, metrics: Scalars) -> None: ...
 
     def close(self) -> None: ...
+
+
+def stops_on_a_full_disk(write):
+    """A logger's write that finds the disk full ends the run with its one line (exit code 4), as a
+    checkpoint's does; TensorBoard's writer thread raises its error at the writer's next call."""
+    @functools.wraps(write)
+    def guarded(self, *args, **kwargs):
+        try:
+            return write(self, *args, **kwargs)
+        except OSError as error:
+            if not disk_full(error, self.directory):
+                raise
+            raise ResourceError(f"no space left on device writing {shown(self.directory)}; the checkpoints written "
+                                "before it are kept. Free some space, then continue with resume=auto.") from None
+
+    return guarded
 
 
 # A 3x5 pixel font for the characters of "pred/true" captions: drawing them directly keeps
@@ -183,16 +203,35 @@ def summary_writer_class() -> type:
     return SummaryWriter
 
 
+def quiet_writer_thread_errors() -> None:
+    """TensorBoard's writer thread keeps an OSError it meets (a full disk) and raises it again at the
+    writer's next call, where the run ends with its one line: the thread's own traceback, printed
+    on stderr as it dies, is dropped. Other threads' errors, and other errors, print as before."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if not (type(args.thread).__module__.startswith("tensorboard.") and issubclass(args.exc_type, OSError)):
+            previous(args)
+
+    hook.quiets_tensorboard = True
+    threading.excepthook = hook
+
+
 class TensorBoardLogger(Logger):
     def __init__(self, cfg: DictConfig, run_dir: Path, name: str, monitor: str):
         self.cfg, self.name = cfg, name
-        self.writer = summary_writer_class()(log_dir=str(run_dir / "tensorboard" / name))
+        self.directory = run_dir / "tensorboard" / name
+        quiet_writer_thread_errors()
+        self.writer = summary_writer_class()(log_dir=str(self.directory))
         self.writer.add_custom_scalars(overview_layout(monitor))
 
     @classmethod
     def from_config(cls, options: DictConfig, cfg: DictConfig, run_dir: Path, name: str) -> "TensorBoardLogger":
         return cls(options, run_dir, name, cfg.checkpoint.monitor)
 
+    @stops_on_a_full_disk
     def log_metrics(self, metrics: Scalars, step: int) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary
         from torch.utils.tensorboard.summary import scalar
@@ -202,14 +241,18 @@ class TensorBoardLogger(Logger):
             values = [value for name, number in metrics.items() for value in scalar(tag(name), number).value]
             self.writer.file_writer.add_summary(Summary(value=values), step)
 
+    @stops_on_a_full_disk
     def log_graph(self, model: nn.Module, example: torch.Tensor) -> None:
         if not self.cfg.log_graph:
             return
         try:
             self.writer.add_graph(model, example)
+        except OSError:
+            raise  # the disk, not the model
         except Exception as error:  # tracing fails for some user models; the run must not
             log.warning("TensorBoard could not trace the model graph (%s); skipping it.", error)
 
+    @stops_on_a_full_disk
     def log_histograms(self, model: nn.Module, epoch: int) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
@@ -225,10 +268,12 @@ class TensorBoardLogger(Logger):
         values = [histogram(tag, tensor) for tag, tensor in tensors.items()]
         self.writer.file_writer.add_summary(Summary(value=[value for value in values if value is not None]), epoch)
 
+    @stops_on_a_full_disk
     def log_predictions(self, images, labels, predictions, epoch: int) -> None:
         if self.cfg.log_images:
             self.writer.add_image("predictions/pred_true", prediction_grid(images, labels, predictions), epoch)
 
+    @stops_on_a_full_disk
     def log_hparams(self, hparams: Scalars, metrics: Scalars) -> None:
         # Only the session goes in (its hparams, its row named by the run's name), into this run's
         # own event file: SummaryWriter.add_hparams would open a sub-run and copy the metrics into
@@ -240,6 +285,7 @@ class TensorBoardLogger(Logger):
         values = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in hparams.items()}
         self.writer.file_writer.add_summary(hparams_pb(values, trial_id=self.name))
 
+    @stops_on_a_full_disk
     def close(self) -> None:
         self.writer.close()
 
@@ -248,6 +294,7 @@ class CSVLogger(Logger):
     """One row per (step, metric, value) in metrics.csv: easy to load with any tool."""
 
     def __init__(self, path: Path):
+        self.directory = path.parent
         self.handle = open(path, "w", newline="")
         self.writer = csv.writer(self.handle)
         self.writer.writerow(["step", "metric", "value"])
@@ -256,13 +303,16 @@ class CSVLogger(Logger):
     def from_config(cls, options: DictConfig, cfg: DictConfig, run_dir: Path, name: str) -> "CSVLogger":
         return cls(run_dir / "metrics.csv")
 
+    @stops_on_a_full_disk
     def log_metrics(self, metrics: Scalars, step: int) -> None:
         self.writer.writerows([step, name, value] for name, value in metrics.items())
         self.handle.flush()
 
+    @stops_on_a_full_disk
     def log_hparams(self, hparams: Scalars, metrics: Scalars) -> None:
         self.writer.writerows(["hparams", name, value] for name, value in hparams.items())
 
+    @stops_on_a_full_disk
     def close(self) -> None:
         self.handle.close()
 

@@ -29,7 +29,7 @@ from typing import List, Optional
 
 from omegaconf import OmegaConf
 
-from framework.errors import ConfigError, exit_with
+from framework.errors import ConfigError, ResourceError, RunlabError, exit_with, out_of_space
 
 LOCK_FILE = "run.lock"
 RESOLVED_DIRS: List[Path] = []  # created by the runlab.new_dir resolver in this process
@@ -44,11 +44,14 @@ def create_run_dir(path: str) -> str:
             candidate = base if suffix == 0 else base.with_name(f"{base.name}_{suffix}")
             try:
                 candidate.mkdir()
-                return str(candidate)
             except FileExistsError:
                 continue
+            if out_of_space(candidate):  # Hydra writes the run's config into it next, and would end in a traceback
+                candidate.rmdir()
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return str(candidate)
     except OSError as error:
-        raise ConfigError(unusable_dir(base, error)) from None
+        raise (ResourceError if error.errno == errno.ENOSPC else ConfigError)(unusable_dir(base, error)) from None
     raise ConfigError(f"cannot create a run dir at {base}: it and 999 suffixed variants exist.")
 
 
@@ -57,7 +60,7 @@ def new_dir(path: str) -> str:
     would end in a traceback, so a failure ends the process with its one line here."""
     try:
         created = create_run_dir(path)
-    except ConfigError as error:
+    except RunlabError as error:
         exit_with(error)
     RESOLVED_DIRS.append(Path(created))
     return created
@@ -78,6 +81,7 @@ def study_dir(base: str, study_name: Optional[str]) -> str:
 
 
 def unusable_dir(path: Path, error: OSError) -> str:
+    path = shown(path)
     if error.errno == errno.ENAMETOOLONG:
         return (f"the run dir {path} is too long for the file system ({error.strerror}); "
                 "choose a shorter name (or paths.output_dir).")

@@ -17,7 +17,8 @@ from typing import Any, Dict, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from framework.checkpoint import Checkpointer, EarlyStopping, TRAINING_STATE, load_checkpoint, rng_state, set_rng_state
+from framework.checkpoint import (Checkpointer, EarlyStopping, TRAINING_STATE, atomic_write, load_checkpoint, rng_state,
+                                  set_rng_state)
 from framework.data import DataBundle, build_data, eval_batches, first, train_batches
 from framework.errors import Interrupted, signal_name
 from framework.finetune import Finetuner
@@ -321,7 +322,8 @@ class Trainer:
         self.logger.log_graph(unwrap(self.model), first(self.data.val, 2)[0].to(self.env.device))
         self.logger.log_hparams(self.hparams(), {k: v for k, v in final.items() if "/" in k})
         if self.env.is_main:
-            (self.run_dir / "metrics.json").write_text(json.dumps(final, indent=2, allow_nan=True) + "\n")
+            text = json.dumps(final, indent=2, allow_nan=True) + "\n"
+            atomic_write(self.run_dir / "metrics.json", lambda tmp: tmp.write_text(text))
             self.log_where_things_are(final)
         return final
 

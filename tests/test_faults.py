@@ -300,10 +300,43 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_is_one_line(user):
     user.outputs.mkdir()
     result = user.run(namespaced(fill, "mount -t tmpfs -o size=30m tmpfs outputs"), timeout=280)
     line = one_line_error(result, exit_code=4)
-    # The disk fills while last.pt or its copy best.pt is written; either way the previous file stays.
-    assert re.search(r"no space left on device writing outputs/train/[^/]+/checkpoints/(last|best)\.pt; the previous "
-                     r"\1\.pt is kept\. Free some space, then continue with resume=auto\.$", line), line
+    # Whichever write finds the disk full first, last.pt, its copy best.pt or TensorBoard's events,
+    # the checkpoints written before stay.
+    assert re.search(r"no space left on device writing outputs/train/[^/]+/(checkpoints/(last|best)\.pt; the previous "
+                     r"\2\.pt is kept|tensorboard/[^;]+; the checkpoints written before it are kept)\. Free some space, "
+                     r"then continue with resume=auto\.$", line), line
     assert "epoch " in result.stdout  # the kept checkpoint loads
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("switched_off, full", [
+    (["checkpoint.enabled=false"], r"tensorboard/[^;]+; the checkpoints written before it are kept"),
+    (["checkpoint.enabled=false", "logger=none"], r"metrics\.json; no metrics\.json was written before"),
+])
+def test_a_full_disk_without_checkpoints_is_one_line_too(user, switched_off, full):
+    """With checkpoints off the disk fills under TensorBoard's writer thread, or under train.log (whose
+    lines are then dropped, without a traceback for each) until metrics.json is written."""
+    if not mount_namespaces_work(user):
+        pytest.skip("this machine cannot make a private mount namespace (unshare -rm)")
+    fill = (f"python run.py trainer.max_epochs=50 early_stopping.enabled=false trainer.progress_bar=false "
+            f"{' '.join(switched_off)} & until grep -qs 'epoch 1 ' outputs/train/*/train.log; do sleep 0.05; done; "
+            "head -c 100M /dev/zero > outputs/filler; wait $!")
+    user.outputs.mkdir()
+    result = user.run(namespaced(fill, "mount -t tmpfs -o size=30m tmpfs outputs"), timeout=280)
+    line = one_line_error(result, exit_code=4)
+    assert re.search(rf"no space left on device writing outputs/train/[^/]+/{full}\. Free some space", line), line
+
+
+def test_a_disk_full_before_the_run_starts_is_one_line(user):
+    """Hydra writes the run's config into the new run dir before runlab's code runs; a full disk
+    there would end in Hydra's traceback, so the run dir is not taken when no space is left."""
+    if not mount_namespaces_work(user):
+        pytest.skip("this machine cannot make a private mount namespace (unshare -rm)")
+    user.outputs.mkdir()
+    fill = "head -c 10M /dev/zero > outputs/filler; python run.py trainer.max_epochs=1"
+    result = user.run(namespaced(fill, "mount -t tmpfs -o size=1m tmpfs outputs"), timeout=120)
+    line = one_line_error(result, exit_code=4)
+    assert re.search(r"no space left on device to create the run dir outputs/train/[^;]+; free some space", line), line
 
 
 def test_an_unreachable_ray_cluster_is_one_line(cli):

@@ -2,6 +2,9 @@ import csv
 import re
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,8 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
 from conftest import REPO
-from framework.logger import TensorBoardLogger
+from framework.errors import ResourceError
+from framework.logger import CSVLogger, TensorBoardLogger
 
 # The group TensorBoard opens on, in the order it shows the cards.
 OVERVIEW = ["overview/loss/train", "overview/loss/val", "overview/metric/val/acc", "overview/optimizer/lr",
@@ -159,3 +163,31 @@ def test_the_tensorboard_logger_leaves_botocore_unimported_but_importable():
               "import botocore.exceptions")
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a device every write to fails with ENOSPC")
+@pytest.mark.parametrize("logger", ["tensorboard", "csv"])
+def test_a_logger_that_finds_the_disk_full_ends_the_run_with_one_line(tmp_path, logger, monkeypatch):
+    """Writes that fail for want of space (here: to /dev/full) end the run as a checkpoint's do; TensorBoard's
+    writer thread hands its error to the writer's next call."""
+    caught_thread_errors = []
+    monkeypatch.setattr(threading, "excepthook", caught_thread_errors.append)
+    if logger == "tensorboard":  # its writer opens the events file for every write
+        writer = TensorBoardLogger(OmegaConf.create({"histogram_every_n_epochs": 1, "log_graph": False,
+                                                     "log_images": False}), tmp_path, "run", "val/acc")
+        writer.writer.flush()  # nothing queued is written after the file is replaced
+        [events] = writer.directory.iterdir()
+        events.unlink()
+        events.symlink_to("/dev/full")
+    else:
+        (tmp_path / "metrics.csv").symlink_to("/dev/full")
+        writer = CSVLogger(tmp_path / "metrics.csv")
+    with pytest.raises(ResourceError) as raised:
+        for step in range(100):
+            writer.log_metrics({"train/loss": 1.0}, step)
+            time.sleep(0.01)
+        writer.close()
+    assert str(raised.value) == (f"no space left on device writing {writer.directory}; the checkpoints written before "
+                                 "it are kept. Free some space, then continue with resume=auto.")
+    assert raised.value.exit_code == 4
+    assert not caught_thread_errors  # TensorBoard's thread dies quietly: the run's one line says it all

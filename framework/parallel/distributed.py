@@ -41,7 +41,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 
-from framework.errors import ConfigError, Interrupted, RunlabError
+from framework.errors import ConfigError, Interrupted, RunLogHandler, RunlabError
 from framework.parallel import Environment, Mode, Task, resolve_device
 from framework.paths import LOCK_FILE
 from framework.signals import STOP_SIGNALS
@@ -270,7 +270,7 @@ def log_as_rank(rank: int, log_file: Path) -> None:
     prefix = f"[rank {rank}]" if rank else ""
     formatter = logging.Formatter(prefix + LOG_FORMAT)
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    for handler in (logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr), logging.FileHandler(log_file)):
+    for handler in (logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr), RunLogHandler(log_file)):
         handler.setFormatter(formatter)
         root.addHandler(handler)
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
