@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Set, Tuple
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import II, MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import II, MISSING, DictConfig, ListConfig, OmegaConf, ValidationError
 
 from framework.errors import ConfigError
 from framework.paths import register_resolvers
@@ -56,7 +56,9 @@ Split = closed("Split", "val", "test")
 Loader = closed("Loader", "auto", "memory", "dataloader")
 Precision = closed("Precision", "32", "bf16", "fp16")
 NonFinite = closed("NonFinite", "stop", "skip")
-Direction = closed("Direction", "min", "max")  # of a monitored metric: whether higher or lower is better
+Direction = closed("Direction", "min", "max")  # of a metric: whether lower or higher is better
+MonitorMode = closed("MonitorMode", "auto", "min", "max")  # auto: the monitored metric's own direction
+RegressionLoss = closed("RegressionLoss", "mse", "l1", "huber")
 Backend = closed("Backend", "auto", "nccl", "gloo")
 WandbMode = closed("WandbMode", "online", "offline", "disabled")
 
@@ -69,8 +71,8 @@ class Option:
     option: ClassVar[str] = ""  # how a user selects it, e.g. "data=digits"
 
 
-# Every option of data, logger and parallel, by group and name; conf/<group>/<name>.yaml extends it.
-OPTIONS: Dict[str, Dict[str, type]] = {"data": {}, "logger": {}, "parallel": {}}
+# Every option of data, objective, logger and parallel, by group and name; conf/<group>/<name>.yaml extends it.
+OPTIONS: Dict[str, Dict[str, type]] = {"data": {}, "objective": {}, "logger": {}, "parallel": {}}
 
 
 def option(group: str, name: str) -> Callable[[type], type]:
@@ -85,27 +87,54 @@ def option(group: str, name: str) -> Callable[[type], type]:
     return register
 
 
-# --- data (framework/data.py): _target_(cfg, seed) returns a data.DataBundle ----------------
+# --- data (framework/data.py): _target_ is a factory, called with the option's own keys, that returns a data.DataBundle --
 
 @dataclass
 class DataConfig(Option):
-    """The keys every data source shares, with their defaults."""
+    """The loader's keys, which every data option has (with these defaults) and its factory is not
+    called with. A user's own option extends it: ``defaults: [/DataConfig@_here_, _self_]``."""
 
     batch_size: int = II("batch_size")  # the global batch per optimizer step
+    # auto: keep a TensorDataset on the device and batch by indexing when it fits in
+    # device_cache_mb (always on CPU); memory / dataloader force one path.
+    loader: Loader = Loader.auto
+    device_cache_mb: int = 1024
+    num_workers: int = 0  # DataLoader worker processes (the dataloader path)
+    pin_memory: bool = True  # on CUDA: page-locked batches, copied to the GPU asynchronously
+    persistent_workers: bool = True  # keep workers between epochs (not for a dataset with set_epoch)
+    prefetch_factor: int = 2  # batches each worker loads ahead
+    collate: Any = None  # a _target_ node (_partial_: true for a function) that makes a batch of samples; null: torch's default
+    eval_batch_size: int = 1024
+
+
+# A user's option extends the loader's keys and adds its factory's own, which a dataclass node would
+# refuse: it is stored untyped, and ``validate`` checks the loader's keys against DataConfig.
+ConfigStore.instance().store(name="DataConfig", node=OmegaConf.to_container(OmegaConf.structured(DataConfig)))
+LOADER_KEYS = frozenset(f.name for f in fields(DataConfig)) - {"_target_"}  # the factory gets every other key of an option
+
+
+@dataclass
+class CustomDataConfig(DataConfig):
+    """data=custom: a factory of the user's own, named on the command line with its keys
+    (``data._target_=mypkg.make +data.size=10``); untyped, as DataConfig is."""
+
+
+CustomDataConfig.option = "data=custom"
+OPTIONS["data"]["custom"] = CustomDataConfig
+
+
+@dataclass
+class SplitDataConfig(DataConfig):
+    """Sources runlab splits into train/val/test itself."""
+
     val_fraction: float = 0.15
     test_fraction: float = 0.15
     split_seed: int = 0  # fixed, so every run and every trial of a sweep sees the same split
     train_per_class: int = 0  # keep only this many training samples of each class (a small labelled budget); 0: all
-    # auto: keep the whole set on the device and batch by indexing when it fits in
-    # device_cache_mb (always on CPU); memory / dataloader force one path.
-    loader: Loader = Loader.auto
-    device_cache_mb: int = 1024
-    num_workers: int = 0
-    eval_batch_size: int = 1024
 
 
 @dataclass
-class InMemoryDataConfig(DataConfig):
+class InMemoryDataConfig(SplitDataConfig):
     """Sources read whole into tensors."""
 
     classes: List[int] = field(default_factory=list)  # keep only these labels (relabelled 0..k-1)
@@ -127,6 +156,25 @@ class SyntheticDataConfig(InMemoryDataConfig):
     num_classes: int = MISSING
     class_sep: float = MISSING
     noise: float = MISSING
+    seed: int = II("seed")
+
+
+@option("data", "diabetes")
+@dataclass
+class DiabetesDataConfig(SplitDataConfig):
+    _target_: str = "framework.data.diabetes"
+    normalize: bool = True  # standardise the features with the training split's statistics (targets stay as they are)
+
+
+@option("data", "text")
+@dataclass
+class TextDataConfig(DataConfig):
+    _target_: str = "framework.data.text"
+    path: str = MISSING  # a UTF-8 text file; "": the Python reference manual's help topics, which Python ships
+    max_chars: int = MISSING  # use the first this many characters; 0: all
+    context: int = MISSING  # characters per sample
+    val_fraction: float = 0.1
+    test_fraction: float = 0.1
 
 
 @option("data", "csv")
@@ -160,10 +208,57 @@ class TransformsConfig:
 
 @option("data", "imagefolder")
 @dataclass
-class ImageFolderDataConfig(DataConfig):
+class ImageFolderDataConfig(SplitDataConfig):
     _target_: str = "framework.imagefolder.build_image_folder"
     root: str = MISSING
     transforms: TransformsConfig = field(default_factory=TransformsConfig)
+    seed: int = II("seed")  # of the training augmentation
+
+
+# --- objective (framework/objective.py): _target_ is an objective.Objective, built with the data's output_size --
+
+@dataclass
+class ObjectiveConfig(Option):
+    monitor: str = MISSING  # the metric this objective is judged by: checkpoint.monitor's default
+
+
+@option("objective", "classification")
+@dataclass
+class ClassificationObjectiveConfig(ObjectiveConfig):
+    _target_: str = "framework.objective.Classification"
+    label_smoothing: float = MISSING
+    top_k: int = MISSING
+
+
+@option("objective", "multilabel")
+@dataclass
+class MultilabelObjectiveConfig(ObjectiveConfig):
+    _target_: str = "framework.objective.Multilabel"
+    threshold: float = MISSING
+
+
+@option("objective", "regression")
+@dataclass
+class RegressionObjectiveConfig(ObjectiveConfig):
+    _target_: str = "framework.objective.Regression"
+    loss: RegressionLoss = MISSING
+    huber_delta: float = MISSING
+
+
+@option("objective", "supervised")
+@dataclass
+class SupervisedObjectiveConfig(ObjectiveConfig):
+    _target_: str = "framework.objective.Supervised"
+    loss: Any = MISSING  # a _target_ node: a loss module or function of (outputs, target)
+    metrics: Dict[str, Any] = field(default_factory=dict)  # name: a _target_ node of a torchmetrics Metric
+
+
+@option("objective", "model_loss")
+@dataclass
+class ModelLossObjectiveConfig(ObjectiveConfig):
+    _target_: str = "framework.objective.ModelLoss"
+    metrics: Dict[str, Direction] = field(default_factory=dict)  # the names the model's loss(batch) returns values of
+    perplexity: bool = MISSING
 
 
 # --- logger (framework/logger.py): _target_ is a logger.Logger; its from_config builds it -----
@@ -273,14 +368,14 @@ class TrainerConfig:
 class CheckpointConfig:
     enabled: bool = MISSING
     monitor: str = MISSING
-    mode: Direction = MISSING
+    mode: MonitorMode = MISSING
 
 
 @dataclass
 class EarlyStoppingConfig:
     enabled: bool = MISSING
     monitor: str = MISSING
-    mode: Direction = MISSING
+    mode: MonitorMode = MISSING
     patience: int = MISSING
     min_delta: float = MISSING
 
@@ -346,6 +441,7 @@ class RunConfig:
     resume: str = MISSING
     ckpt: str = MISSING
     data: Any = MISSING  # an option of OPTIONS["data"], as the selected YAML types it
+    objective: Any = MISSING
     model: Any = MISSING
     optimizer: Any = MISSING
     scheduler: Any = None
@@ -373,10 +469,6 @@ register_configs()
 
 # Integer hyperparameters of the shipped models (framework/model.py): sizes and counts, all at least 1.
 MODEL_SIZES = ("width", "depth", "channels", "stages", "blocks_per_stage")
-# Metrics every training run produces; best/<m> mirrors the checkpoint monitor.
-RUN_METRICS = ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc")
-
-
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -395,8 +487,30 @@ def _importable(key: str, target: str) -> None:
         raise ConfigError(f"{key}={target!r} cannot be imported; give a full dotted path to a class or function.") from None
 
 
-def known_metrics(cfg: DictConfig) -> tuple:
-    return RUN_METRICS + (f"best/{cfg.checkpoint.monitor}",)
+def known_metrics(cfg: DictConfig) -> Dict[str, str]:
+    """Every metric a training run with this config reports at the end of an epoch or of the run, with
+    its direction (min or max): train/loss, then val/ and test/ of each of the objective's metrics."""
+    from framework.objective import directions
+
+    per_split = directions(cfg.objective)
+    return {"train/loss": "min", **{f"{split}/{name}": better for split in ("val", "test") for name, better in per_split.items()}}
+
+
+def monitor_mode(cfg: DictConfig, group: str) -> str:
+    """``checkpoint.mode`` or ``early_stopping.mode``, with auto read as the monitored metric's direction."""
+    mode = str(cfg[group].mode)
+    return known_metrics(cfg)[cfg[group].monitor] if mode == "auto" else mode
+
+
+def _validate_monitors(cfg: DictConfig, known: Dict[str, str]) -> None:
+    # test/ metrics exist only once the run is over, so no epoch can be judged by them.
+    per_epoch = {name: better for name, better in known.items() if not name.startswith("test/")}
+    for group in ("checkpoint", "early_stopping"):
+        monitor, mode = cfg[group].monitor, str(cfg[group].mode)
+        _require(monitor in per_epoch, f"{group}.monitor={monitor!r} is not a metric of every epoch of this run; "
+                                       f"choose one of {', '.join(per_epoch)}.")
+        _require(mode in ("auto", per_epoch[monitor]), f"{group}.mode={mode} does not fit {monitor}, which is better "
+                 f"{'lower' if per_epoch[monitor] == 'min' else 'higher'}; use {group}.mode=auto (or {per_epoch[monitor]}).")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -410,15 +524,16 @@ def validate(cfg: DictConfig) -> None:
     _validate_trainer(cfg.trainer)
     _validate_parallel(cfg.parallel)
     _validate_troubleshoot(cfg.troubleshoot)
-    for group in ("checkpoint", "early_stopping"):
-        _one_of(f"{group}.monitor", cfg[group].monitor, RUN_METRICS)
+    for group in ("model", "optimizer", "data", "objective", "logger", "parallel"):
+        _require(isinstance(cfg[group], DictConfig) and "_target_" in cfg[group], f"{group} has no _target_; pick one with {group}=NAME.")
+        _importable(f"{group}._target_", cfg[group]._target_)
+    _validate_objective(cfg.objective)
+    known = known_metrics(cfg)
+    _validate_monitors(cfg, known)
     _require(cfg.early_stopping.patience >= 1, f"early_stopping.patience={cfg.early_stopping.patience} is invalid; it must be at least 1.")
     _require(math.isfinite(cfg.early_stopping.min_delta) and cfg.early_stopping.min_delta >= 0,
              f"early_stopping.min_delta={cfg.early_stopping.min_delta} is invalid; it must be a finite number, 0 or more.")
-    _validate_objectives(cfg.optimized_metric, known_metrics(cfg))
-    for group in ("model", "optimizer", "data", "logger", "parallel"):
-        _require(isinstance(cfg[group], DictConfig) and "_target_" in cfg[group], f"{group} has no _target_; pick one with {group}=NAME.")
-        _importable(f"{group}._target_", cfg[group]._target_)
+    _validate_objectives(cfg.optimized_metric, [*known, f"best/{cfg.checkpoint.monitor}"])
     _validate_model(cfg.model)
     if cfg.scheduler is not None:
         _one_of("scheduler.interval", cfg.scheduler.interval, ("epoch", "step"))
@@ -470,12 +585,28 @@ def _validate_model(model: DictConfig) -> None:
     _require(0 <= dropout < 1, f"model.dropout={dropout} is invalid; it must be at least 0 and below 1.")
 
 
-def _validate_objectives(objectives: Any, known: tuple) -> None:
+def _validate_objective(objective: DictConfig) -> None:
+    from framework.objective import Objective, objective_class
+
+    _require(isinstance(objective_class(objective), type) and issubclass(objective_class(objective), Objective),
+             f"objective._target_={objective._target_!r} is not a framework.objective.Objective class.")
+    if "top_k" in objective:
+        _require(objective.top_k >= 1, f"objective.top_k={objective.top_k} is invalid; it must be at least 1.")
+    if "label_smoothing" in objective:
+        _require(0 <= objective.label_smoothing < 1,
+                 f"objective.label_smoothing={objective.label_smoothing} is invalid; it must be at least 0 and below 1.")
+    if "threshold" in objective:
+        _require(0 < objective.threshold < 1, f"objective.threshold={objective.threshold} is invalid; it must be between 0 and 1.")
+    if "huber_delta" in objective:
+        _require(objective.huber_delta > 0, f"objective.huber_delta={objective.huber_delta} is invalid; it must be positive.")
+
+
+def _validate_objectives(objectives: Any, known: Sequence[str]) -> None:
     names = list(objectives) if isinstance(objectives, ListConfig) else [objectives]
     _require(len(names) >= 1 and len(set(names)) == len(names),
              f"optimized_metric={objectives} is invalid; give a metric, or a list of different metrics.")
     for name in names:
-        _one_of("optimized_metric", name, known)
+        _one_of("optimized_metric", name, tuple(known))
 
 
 def _validate_search(search: DictConfig) -> None:
@@ -489,18 +620,32 @@ def _validate_data(data: DictConfig) -> None:
     classes = list(data.get("classes", []))
     _require(not classes or (len(classes) >= 2 and len(set(classes)) == len(classes)),
              f"data.classes={classes} is invalid; keep at least 2 distinct labels, or [] for all of them.")
-    if "path" in data:
+    reads_pythons_text = data._target_ == TextDataConfig._target_ and not data.path  # data=text's default
+    if "path" in data and not reads_pythons_text:
         _require(bool(data.path), f"data.path is empty; {chosen('data', data)} needs the path of your file.")
         _require(Path(data.path).is_file(), f"data.path={data.path!r} does not exist.")
-    _require(data.train_per_class >= 0, f"data.train_per_class={data.train_per_class} is invalid; use 0 (every sample) "
-                                        "or the number of training samples to keep per class.")
+    if "context" in data:
+        _require(data.context >= 1 and data.max_chars >= 0, f"data.context={data.context} and data.max_chars={data.max_chars} "
+                 "are invalid; context must be at least 1, max_chars 0 (all) or more.")
+    missing = sorted(LOADER_KEYS - set(data.keys()))
+    _require(not missing, f"data ({chosen('data', data)}) has no {', '.join(missing)}: a data option's YAML extends "
+                          "the loader's keys with `defaults: [/DataConfig@_here_, _self_]`.")
+    try:  # a user's option is untyped (see DataConfig): its loader keys are typed here
+        OmegaConf.merge(OmegaConf.structured(DataConfig), {key: data[key] for key in LOADER_KEYS})
+    except ValidationError as error:
+        raise ConfigError(f"data.{error.full_key}={error.value!r} is invalid: {error.msg.splitlines()[0]}") from None
+    _require(data.get("train_per_class", 0) >= 0, f"data.train_per_class={data.get('train_per_class')} is invalid; use "
+                                                  "0 (every sample) or the number of training samples to keep per class.")
     if "root" in data:
         _validate_image_folder(data)
-    fractions = data.val_fraction + data.test_fraction
-    _require(0 < data.val_fraction and 0 <= data.test_fraction and fractions < 1,
-             f"data.val_fraction={data.val_fraction} and data.test_fraction={data.test_fraction} are invalid; "
-             "val must be above 0 and both together below 1.")
+    if "val_fraction" in data:
+        fractions = data.val_fraction + data.test_fraction
+        _require(0 < data.val_fraction and 0 <= data.test_fraction and fractions < 1,
+                 f"data.val_fraction={data.val_fraction} and data.test_fraction={data.test_fraction} are invalid; "
+                 "val must be above 0 and both together below 1.")
     _require(data.eval_batch_size >= 1, f"data.eval_batch_size={data.eval_batch_size} is invalid; it must be a positive integer.")
+    _require(data.num_workers >= 0, f"data.num_workers={data.num_workers} is invalid; use 0 (load in the main process) or more.")
+    _require(data.prefetch_factor >= 1, f"data.prefetch_factor={data.prefetch_factor} is invalid; it must be at least 1.")
 
 
 def _validate_image_folder(data: DictConfig) -> None:

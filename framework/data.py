@@ -1,78 +1,106 @@
-"""Data sources (conf/data/): scikit-learn's bundled digits, synthetic classification data,
-the user's own CSV or tensor file, and folders of images; plus the batch iterators the trainer
-consumes.
+"""Data (conf/data/): what a run trains on, and the batches the trainer consumes.
 
-Each option of conf/data/ names its reader in ``_target_`` (a function of the config and the
-seed that returns a ``DataBundle``), and ``build_data`` calls it: a new source is a function
-here, its schema (framework/config.py) and its YAML. Every source but image folders ends,
-through ``in_memory``, as in-memory tensors split train/val/test with a fixed seed. Batches
-are cut by indexing those tensors directly (no per-sample ``__getitem__`` and collate) unless
-the set is too large to keep on the device, in which case a ``DataLoader`` streams it. Image
-folders (framework/imagefolder.py) are decoded by ``DataLoader`` workers. Every source names
-its classes, so a checkpoint can report labels rather than indices.
+A data option names a factory in ``_target_``; ``build_data`` calls it through
+``hydra.utils.instantiate`` with the option's own keys (not the loader's, ``DataConfig``) and
+gets a ``DataBundle``: train, val and test ``torch.utils.data.Dataset``s (map-style or
+iterable), with the class names when the targets are classes. A user's factory in a package of
+their own works the same way (``data._target_=mypkg.data.make``, README "Your own model and data").
+
+runlab builds the batches. Map-style datasets follow a ``BatchPlan``: each epoch's order is a
+pure function of seed and epoch, sharded per process, which is why a resumed run replays
+exactly the batches an uninterrupted one would, and why it can start in the middle of an epoch
+without loading the batches before. They go through a ``DataLoader`` (workers, pinned memory,
+prefetching, the default or a ``_target_`` collate); an ``IterableDataset`` shards itself and
+is batched by the loader. The in-memory fast path is an optimisation behind the same
+interface: a ``TensorDataset`` that fits on the device is moved there once and a batch is one
+index operation, with no per-sample ``__getitem__`` or collate. The shipped sources (digits,
+synthetic, CSV, tensor files) are read whole into such tensors; image folders are decoded in
+the workers (framework/imagefolder.py).
 """
 from __future__ import annotations
 
 import csv
 import importlib.util
+import itertools
+import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from hydra.utils import get_object
-from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-from framework.config import chosen
-from framework.errors import ConfigError
+from framework import batch as batches
+from framework.errors import ConfigError, instantiate
 
-Batch = Tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass
-class Split:
-    """Inputs and labels held in memory."""
-
-    x: torch.Tensor
-    y: torch.Tensor
-    augments = False  # the same index always gives the same sample
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def take(self, index: torch.Tensor, epoch: int = 0) -> Batch:
-        return self.x[index], self.y[index]
-
-
-def first(split, n: int) -> Batch:
-    """The split's first ``n`` samples (all of them when it has fewer), e.g. for a sample batch."""
-    return split.take(torch.arange(min(n, len(split))))
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class DataBundle:
-    train: Split
-    val: Split
-    test: Split
-    input_shape: Tuple[int, ...]
-    classes: List[str]  # the label of each class index
+    """What a data option's factory returns."""
 
-    @property
-    def num_classes(self) -> int:
-        return len(self.classes)
+    train: Dataset
+    val: Dataset
+    test: Dataset = field(default_factory=lambda: TensorDataset(torch.empty(0)))  # empty: no test pass
+    classes: List[str] = field(default_factory=list)  # the name of each class index; [] when targets are not classes
+    output_size: int = 0  # outputs the model makes per sample; 0: one per class
+    input_shape: Optional[Tuple[int, ...]] = None  # one input's shape (shipped models size themselves by it); None: read from the data
 
-    @property
-    def is_image(self) -> bool:
-        return len(self.input_shape) == 3
+    def __post_init__(self) -> None:
+        self.output_size = self.output_size or len(self.classes)
+        if self.input_shape is None:
+            self.input_shape = sample_input_shape(self.train)
 
-    def split(self, name: str) -> Split:
+    def split(self, name: str) -> Dataset:
         return getattr(self, name)
 
 
+def sample_input_shape(dataset: Dataset) -> Optional[Tuple[int, ...]]:
+    """The shape of the first sample's input, when samples are (input, target) with a tensor input."""
+    if isinstance(dataset, TensorDataset):
+        return tuple(dataset.tensors[0].shape[1:])
+    if isinstance(dataset, IterableDataset) or not len(dataset):
+        return None
+    sample = dataset[0]
+    inputs = sample.get("input") if isinstance(sample, dict) else sample[0] if isinstance(sample, (tuple, list)) else None
+    return tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else None
+
+
+def length(dataset: Dataset) -> int:
+    """Samples in a dataset; an iterable one without ``__len__`` counts as unknown (-1)."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return -1
+
+
+def take(dataset: Dataset, indices: torch.Tensor, collate: Optional[Callable] = None) -> Any:
+    """A batch of the samples at ``indices`` (an iterable dataset: its first ``len(indices)``)."""
+    if isinstance(dataset, TensorDataset):
+        return tuple(tensor[indices] for tensor in dataset.tensors)
+    samples = itertools.islice(iter(dataset), len(indices)) if isinstance(dataset, IterableDataset) else \
+        (dataset[i] for i in indices.tolist())
+    return (collate or torch.utils.data.default_collate)(list(samples))
+
+
+def first(dataset: Dataset, n: int, collate: Optional[Callable] = None) -> Any:
+    """A batch of the dataset's first ``n`` samples (all of them when it has fewer), e.g. for a sample batch."""
+    available = length(dataset)
+    return take(dataset, torch.arange(n if available < 0 else min(n, available)), collate)
+
+
 # --- sources -----------------------------------------------------------------------------
+
+def sklearn_data_folder(option: str) -> Path:
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"{option} needs scikit-learn, which is not installed; pip install scikit-learn.")
+    return Path(spec.submodule_search_locations[0]) / "datasets" / "data"
+
 
 def load_digits_arrays() -> Tuple[np.ndarray, np.ndarray]:
     """scikit-learn's bundled digits as (N, 1, 8, 8) float32 pixels in 0..16 and int64 labels.
@@ -80,22 +108,28 @@ def load_digits_arrays() -> Tuple[np.ndarray, np.ndarray]:
     Reads the CSV that ships inside scikit-learn instead of importing sklearn.datasets, which
     would pull in scipy and add about a second to every run's start-up.
     """
-    spec = importlib.util.find_spec("sklearn")
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("data=digits needs scikit-learn, which is not installed; pip install scikit-learn.")
-    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
-    table = np.loadtxt(path, delimiter=",", dtype=np.float32)
+    table = np.loadtxt(sklearn_data_folder("data=digits") / "digits.csv.gz", delimiter=",", dtype=np.float32)
     return table[:, :-1].reshape(-1, 1, 8, 8), table[:, -1].astype(np.int64)
 
 
-def make_synthetic(cfg: DictConfig, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+def load_diabetes_arrays() -> Tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled diabetes data, unscaled: (442, 10) float32 features and float32 targets,
+    read from the files inside the package (as ``load_digits_arrays``, without sklearn.datasets)."""
+    folder = sklearn_data_folder("data=diabetes")
+    x = np.loadtxt(folder / "diabetes_data_raw.csv.gz", dtype=np.float32)
+    y = np.loadtxt(folder / "diabetes_target.csv.gz", dtype=np.float32)
+    return x, y
+
+
+def make_synthetic(num_samples: int, input_shape: Sequence[int], num_classes: int, class_sep: float, noise: float,
+                   seed: int) -> Tuple[np.ndarray, np.ndarray]:
     """Gaussian clusters around random class centroids, in any input shape (vectors or images)."""
     rng = np.random.default_rng(seed)
-    dim = int(np.prod(cfg.input_shape))
-    centroids = rng.standard_normal((cfg.num_classes, dim)).astype(np.float32) * cfg.class_sep
-    y = rng.integers(0, cfg.num_classes, cfg.num_samples)
-    x = centroids[y] + cfg.noise * rng.standard_normal((cfg.num_samples, dim)).astype(np.float32)
-    return x.reshape(cfg.num_samples, *cfg.input_shape), y.astype(np.int64)
+    dim = int(np.prod(input_shape))
+    centroids = rng.standard_normal((num_classes, dim)).astype(np.float32) * class_sep
+    y = rng.integers(0, num_classes, num_samples)
+    x = centroids[y] + noise * rng.standard_normal((num_samples, dim)).astype(np.float32)
+    return x.reshape(num_samples, *input_shape), y.astype(np.int64)
 
 
 def read_csv_rows(path: str) -> List[Tuple[int, List[str]]]:
@@ -168,24 +202,67 @@ def load_tensor_file(path: str, features_key: str, labels_key: str) -> Tuple[np.
     return x.astype(np.float32), y.astype(np.int64), [str(name) for name in names.tolist()]
 
 
-# Each option of conf/data/ names one of these in ``_target_``: (cfg, seed) -> DataBundle.
+# Each built-in option of conf/data/ names one of these in ``_target_``; ``build_data`` calls it with
+# the option's keys (those of ``SplitDataConfig`` among them), as it would a user's factory.
 
-def digits(cfg: DictConfig, seed: int) -> DataBundle:
+def digits(**split) -> DataBundle:
     x, y = load_digits_arrays()
-    return in_memory(cfg, x, y, numbered(y))
+    return in_memory(x, y, numbered(y), source="data=digits", **split)
 
 
-def synthetic(cfg: DictConfig, seed: int) -> DataBundle:
-    x, y = make_synthetic(cfg, seed)
-    return in_memory(cfg, x, y, numbered(y))
+def synthetic(num_samples: int, input_shape: List[int], num_classes: int, class_sep: float, noise: float, seed: int,
+              **split) -> DataBundle:
+    x, y = make_synthetic(num_samples, input_shape, num_classes, class_sep, noise, seed)
+    return in_memory(x, y, numbered(y), source="data=synthetic", **split)
 
 
-def csv_file(cfg: DictConfig, seed: int) -> DataBundle:
-    return in_memory(cfg, *load_csv(cfg.path, cfg.label_column))
+def csv_file(path: str, label_column: str, **split) -> DataBundle:
+    return in_memory(*load_csv(path, label_column), source=f"data.path={path!r}", **split)
 
 
-def tensor_file(cfg: DictConfig, seed: int) -> DataBundle:
-    return in_memory(cfg, *load_tensor_file(cfg.path, cfg.features_key, cfg.labels_key))
+def tensor_file(path: str, features_key: str, labels_key: str, **split) -> DataBundle:
+    return in_memory(*load_tensor_file(path, features_key, labels_key), source=f"data.path={path!r}", **split)
+
+
+def diabetes(**split) -> DataBundle:
+    """scikit-learn's bundled diabetes data: 442 patients, 10 features, a disease-progression score to predict."""
+    x, y = load_diabetes_arrays()
+    return in_memory(x, y, [], source="data=diabetes", **split)
+
+
+def text(path: str, max_chars: int, context: int, val_fraction: float, test_fraction: float) -> DataBundle:
+    """Characters of a text as next-character windows: sample i is (chars i*context .. +context, the
+    same shifted by one). The splits are contiguous stretches of the text (train, then val, then
+    test), so no window of val or test overlaps a training one. ``classes`` is the vocabulary."""
+    corpus = read_text(path)[:max_chars or None]
+    vocabulary = sorted(set(corpus))
+    lookup = {char: i for i, char in enumerate(vocabulary)}
+    ids = torch.tensor([lookup[char] for char in corpus], dtype=torch.int64)
+    ends = np.cumsum([1 - val_fraction - test_fraction, val_fraction, test_fraction]) * len(ids)
+    bounds = [0, *[int(end) for end in ends]]
+    splits = [windows(ids[start:end], context) for start, end in zip(bounds, bounds[1:])]
+    if not len(splits[0]) or not len(splits[1]):
+        raise ConfigError(f"data.path={path!r} has {len(corpus)} characters, too few for windows of data.context={context} "
+                          "in both train and val; use a longer text or a shorter context.")
+    return DataBundle(*splits, classes=vocabulary, input_shape=(context,))
+
+
+def read_text(path: str) -> str:
+    """The file at ``path``; "" reads the Python reference manual's help topics that Python ships (pydoc_data)."""
+    if not path:
+        from pydoc_data.topics import topics
+
+        return "\n\n".join(topics[name] for name in sorted(topics))
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"data.path={path!r} is not UTF-8 text: byte {error.start} is not.") from None
+
+
+def windows(ids: torch.Tensor, context: int) -> TensorDataset:
+    count = (len(ids) - 1) // context
+    inputs = ids[:count * context].view(count, context)
+    return TensorDataset(inputs, ids[1:count * context + 1].view(count, context))
 
 
 def numbered(y: np.ndarray) -> List[str]:
@@ -229,50 +306,64 @@ def standardize(train: np.ndarray, *others: np.ndarray) -> List[np.ndarray]:
 
 
 def build_data(cfg: DictConfig, seed: int) -> DataBundle:
-    """The data the option ``cfg`` (conf/data/) is, built by what its ``_target_`` names."""
+    """The data the option ``cfg`` (conf/data/) is: its ``_target_`` called with the option's own keys."""
     if "_target_" not in cfg:  # a checkpoint's config from before data options named their reader
-        cfg = earlier_data_config(cfg)
-    return get_object(cfg._target_)(cfg, seed)
+        cfg = earlier_data_config(cfg, seed)
+    from framework.config import LOADER_KEYS
+
+    option = OmegaConf.to_container(cfg, resolve=True)  # data.seed is ${seed}: resolved where the run's seed is
+    bundle = instantiate({key: value for key, value in option.items() if key not in LOADER_KEYS}, _convert_="all")
+    if not isinstance(bundle, DataBundle):
+        raise ConfigError(f"data._target_={cfg._target_} returned a {type(bundle).__name__}, not a "
+                          "framework.data.DataBundle(train=..., val=..., test=...).")
+    if not bundle.output_size:
+        raise ConfigError(f"data._target_={cfg._target_} returned a DataBundle with neither classes nor output_size; "
+                          "give output_size=N, the number of values the model outputs per sample.")
+    return bundle
 
 
-def earlier_data_config(cfg: DictConfig) -> DictConfig:
-    """A data config as runlab wrote it before each option named its reader (``data.source=NAME``),
-    with the reader of that option, so checkpoints of that time still evaluate, export and fine-tune."""
+def earlier_data_config(cfg: DictConfig, seed: int) -> DictConfig:
+    """A data config as runlab wrote it before each option named its reader (``data.source=NAME``, every
+    source's keys in one node), as that option's, so checkpoints of that time still evaluate, export and fine-tune."""
     from framework.config import OPTIONS
 
     schema = OPTIONS["data"].get(cfg.get("source"))
     if schema is None:
         raise ConfigError(f"this data config names no reader (data._target_) and no known data.source "
                           f"({cfg.get('source')!r}); choose the data on the command line (data=NAME).")
-    cfg = cfg.copy()
-    cfg._target_ = schema._target_
-    return cfg
+    keys = set(OmegaConf.structured(schema).keys())
+    return OmegaConf.create({**{k: v for k, v in cfg.items() if k in keys}, "_target_": schema._target_,
+                             **({"seed": seed} if "seed" in keys else {})})
 
 
-def in_memory(cfg: DictConfig, x: np.ndarray, y: np.ndarray, names: List[str]) -> DataBundle:
-    """A source read whole (inputs, integer labels, each label's name), checked, filtered by
-    ``data.classes``, split train/val/test and standardised."""
+def in_memory(x: np.ndarray, y: np.ndarray, names: List[str], *, source: str, normalize: bool, val_fraction: float,
+              test_fraction: float, split_seed: int, train_per_class: int = 0, classes: Sequence[int] = ()) -> DataBundle:
+    """A source read whole (inputs, then integer labels with each label's name, or real-valued targets
+    with ``names`` empty), checked, filtered by ``data.classes``, split train/val/test and standardised."""
+    if train_per_class and not names:
+        raise ConfigError(f"data.train_per_class={train_per_class} keeps samples per class, but {source} has no "
+                          "classes (its targets are values); use 0.")
     if not np.isfinite(x).all():  # a file of tensors (CSV cells are checked as they are read)
         sample, *position = np.argwhere(~np.isfinite(x))[0]
-        source = f"data.path={cfg.path!r}" if "path" in cfg else chosen("data", cfg)
         raise ConfigError(f"{source} sample {sample}, feature {tuple(position)} is {x[(sample, *position)]}; "
                           "clean the data first (runlab does not train on NaN or inf).")
-    if cfg.classes:
-        unknown = [c for c in cfg.classes if not 0 <= c < len(names)]
+    if classes:
+        unknown = [c for c in classes if not 0 <= c < len(names)]
         if unknown:
-            raise ConfigError(f"data.classes={list(cfg.classes)} lists {unknown[0]}, which is not a label of this data; "
+            raise ConfigError(f"data.classes={list(classes)} lists {unknown[0]}, which is not a label of this data; "
                               f"its labels are 0..{len(names) - 1}.")
-        x, y = keep_classes(x, y, list(cfg.classes))
-        names = [names[c] for c in cfg.classes]
+        x, y = keep_classes(x, y, list(classes))
+        names = [names[c] for c in classes]
     if len(y) < 3:
-        raise ConfigError(f"{chosen('data', cfg)} yielded {len(y)} samples; at least 3 are needed to split train/val/test.")
-    train_i, val_i, test_i = split_indices(len(y), cfg.val_fraction, cfg.test_fraction, cfg.split_seed)
-    train_i = per_class(train_i, y, cfg.train_per_class)
+        raise ConfigError(f"{source} yielded {len(y)} samples; at least 3 are needed to split train/val/test.")
+    train_i, val_i, test_i = split_indices(len(y), val_fraction, test_fraction, split_seed)
+    train_i = per_class(train_i, y, train_per_class)
     parts = [x[train_i], x[val_i], x[test_i]]
-    if cfg.normalize:
+    if normalize:
         parts = standardize(*parts)
-    splits = [Split(torch.from_numpy(np.ascontiguousarray(p)), torch.from_numpy(y[i])) for p, i in zip(parts, (train_i, val_i, test_i))]
-    return DataBundle(*splits, input_shape=tuple(x.shape[1:]), classes=names)
+    splits = [TensorDataset(torch.from_numpy(np.ascontiguousarray(p)), torch.from_numpy(y[i]))
+              for p, i in zip(parts, (train_i, val_i, test_i))]
+    return DataBundle(*splits, classes=names, output_size=len(names) or int(np.prod(y.shape[1:])))
 
 
 # --- batching ----------------------------------------------------------------------------
@@ -284,7 +375,8 @@ class BatchPlan:
     dropped, so every optimizer step sees the same number of samples); each of
     ``world_size`` ranks takes its contiguous slice of every global batch. The order is a
     permutation seeded by ``seed + epoch``, so it does not depend on any RNG state and a
-    resumed run replays exactly the batches an uninterrupted one would.
+    resumed run replays exactly the batches an uninterrupted one would. ``start`` skips the
+    first batches of the epoch (a run resumed mid-epoch) without loading them.
     """
 
     def __init__(self, n: int, batch_size: int, *, shuffle: bool, seed: int = 0, rank: int = 0, world_size: int = 1):
@@ -294,10 +386,10 @@ class BatchPlan:
             raise ConfigError(f"batch_size={batch_size} does not divide among {world_size} processes; "
                               f"use a multiple of {world_size}.")
         self.n, self.batch_size, self.shuffle, self.seed = n, batch_size, shuffle, seed
-        self.rank, self.world_size, self.epoch = rank, world_size, 0
+        self.rank, self.world_size, self.epoch, self.start = rank, world_size, 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
         return self.n // self.batch_size if self.shuffle else math.ceil(self.n / self.batch_size)
@@ -314,96 +406,174 @@ class BatchPlan:
             yield from order[self.rank::self.world_size].split(self.batch_size)
             return
         per_rank = self.batch_size // self.world_size
-        for start in range(0, len(self) * self.batch_size, self.batch_size):
+        for start in range(self.start * self.batch_size, len(self) * self.batch_size, self.batch_size):
             offset = start + self.rank * per_rank
             yield order[offset:offset + per_rank]
 
 
 class InMemoryBatches:
-    """The fast path: the split lives on the device and a batch is one index operation.
-
-    The labels live on ``target_device``: where the model's outputs come out, which under
-    model parallelism is the last stage's device rather than the input's.
-    """
+    """The fast path: the tensors live on the device and a batch is one index operation."""
 
     on_device = True
 
-    def __init__(self, split: Split, plan: BatchPlan, device: torch.device, target_device: Optional[torch.device] = None):
-        self.x, self.y, self.plan = split.x.to(device), split.y.to(target_device or device), plan
+    def __init__(self, dataset: TensorDataset, plan: BatchPlan, device: torch.device):
+        self.tensors, self.plan = tuple(tensor.to(device) for tensor in dataset.tensors), plan
 
-    def set_epoch(self, epoch: int) -> None:
-        self.plan.set_epoch(epoch)
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.plan.set_epoch(epoch, start)
+
+    def set_batch_size(self, batch_size: int) -> None:
+        self.plan.batch_size = batch_size
 
     def __len__(self) -> int:
         return len(self.plan)
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[Any]:
         for index in self.plan:
-            yield self.x[index.to(self.x.device)], self.y[index.to(self.y.device)]
+            index = index.to(self.tensors[0].device)
+            yield tuple(tensor[index] for tensor in self.tensors)
 
 
-class _BatchedSplit(Dataset):
-    """Hands a DataLoader whole batches (``Split.take``), so no per-sample collate runs."""
+class _BatchedTensors(Dataset):
+    """Hands a DataLoader whole batches of a TensorDataset, so no per-sample collate runs."""
 
-    def __init__(self, split: Split):
-        self.split, self.epoch = split, 0
+    def __init__(self, dataset: TensorDataset):
+        self.tensors = dataset.tensors
 
     def __len__(self) -> int:
-        return len(self.split)
+        return len(self.tensors[0])
 
-    def __getitems__(self, indices: List[int]) -> Batch:
-        return self.split.take(torch.as_tensor(indices), self.epoch)
+    def __getitems__(self, indices: List[int]) -> Tuple[torch.Tensor, ...]:
+        index = torch.as_tensor(indices)
+        return tuple(tensor[index] for tensor in self.tensors)
 
 
-def _already_batched(batch: Batch) -> Batch:
+class _IndexLists:
+    """The plan's batches as lists of ints, as a Dataset's ``__getitem__`` expects its index."""
+
+    def __init__(self, plan: BatchPlan):
+        self.plan = plan
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return (index.tolist() for index in self.plan)
+
+
+def _already_batched(batch: Any) -> Any:
     return batch
 
 
+def loader_options(cfg: DictConfig, device: torch.device, follows_epoch: bool) -> dict:
+    """The DataLoader keywords data.* asks for."""
+    workers = cfg.num_workers
+    # Its own generator: a loader draws its workers' base seed when it starts an epoch, and from
+    # the global RNG that draw would shift dropout's numbers, so a resumed run would drift.
+    return {"generator": torch.Generator(), "num_workers": workers, "pin_memory": cfg.pin_memory and device.type == "cuda",
+            # A dataset that follows the epoch (set_epoch) needs its workers started anew each epoch
+            # to see it: workers keep the copy of the dataset they started with.
+            "persistent_workers": workers > 0 and cfg.persistent_workers and not follows_epoch,
+            "prefetch_factor": cfg.prefetch_factor if workers > 0 else None}
+
+
+def collate_function(cfg: DictConfig) -> Optional[Callable]:
+    """data.collate: a ``_target_`` node (with ``_partial_: true`` for a function), or null for torch's default."""
+    return instantiate(cfg.collate) if cfg.get("collate") is not None else None
+
+
 class StreamedBatches:
-    """The DataLoader path for sets too large to keep on the device; same batches, same order."""
+    """The DataLoader path, for any map-style dataset: the same batches, in the same order, as the plan says."""
 
     on_device = False
 
-    def __init__(self, split: Split, plan: BatchPlan, device: torch.device, num_workers: int):
-        self.plan, self.dataset = plan, _BatchedSplit(split)
-        # Workers keep the copy of the dataset they started with: augmenting ones restart every
-        # epoch, so each sample's random transform follows the epoch (and resumes exactly).
-        self.loader = DataLoader(self.dataset, batch_sampler=plan, collate_fn=_already_batched,
-                                 num_workers=num_workers, pin_memory=device.type == "cuda",
-                                 persistent_workers=num_workers > 0 and not split.augments)
+    def __init__(self, dataset: Dataset, plan: BatchPlan, cfg: DictConfig, device: torch.device):
+        self.plan, self.dataset, self.seed = plan, dataset, plan.seed
+        tensors = isinstance(dataset, TensorDataset)
+        self.follows_epoch = callable(getattr(dataset, "set_epoch", None))
+        self.loader = DataLoader(_BatchedTensors(dataset) if tensors else dataset, batch_sampler=_IndexLists(plan),
+                                 collate_fn=_already_batched if tensors else collate_function(cfg),
+                                 **loader_options(cfg, device, self.follows_epoch))
 
-    def set_epoch(self, epoch: int) -> None:
-        self.plan.set_epoch(epoch)
-        self.dataset.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.plan.set_epoch(epoch, start)
+        self.loader.generator.manual_seed(self.seed + epoch)  # the workers' seeds follow the epoch
+        if self.follows_epoch:
+            self.dataset.set_epoch(epoch)
+
+    def set_batch_size(self, batch_size: int) -> None:
+        self.plan.batch_size = batch_size
 
     def __len__(self) -> int:
         return len(self.plan)
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[Any]:
         return iter(self.loader)
 
 
-def fits_on_device(split: Split, device: torch.device, budget_mb: int) -> bool:
-    size_mb = (split.x.numel() * split.x.element_size() + split.y.numel() * 8) / 2**20
+class IterableBatches:
+    """An IterableDataset, batched by a DataLoader: the dataset shards itself across processes and
+    workers (``torch.utils.data.get_worker_info``), and a resumed run skips the batches it trained on."""
+
+    on_device = False
+
+    def __init__(self, dataset: IterableDataset, batch_size: int, cfg: DictConfig, device: torch.device, train: bool,
+                 seed: int = 0):
+        self.dataset, self.cfg, self.device, self.train, self.seed, self.start = dataset, cfg, device, train, seed, 0
+        if train and length(dataset) < 0:
+            raise ConfigError(f"the training set is a {type(dataset).__name__}, an IterableDataset without __len__; "
+                              "define __len__ (its samples per process in an epoch) so that an epoch has a known length.")
+        self.follows_epoch = callable(getattr(dataset, "set_epoch", None))
+        self.set_batch_size(batch_size)
+
+    def set_batch_size(self, batch_size: int) -> None:
+        samples = length(self.dataset)
+        self.batches = samples // batch_size if self.train else max(math.ceil(samples / batch_size), 0)
+        self.loader = DataLoader(self.dataset, batch_size=batch_size, drop_last=self.train,
+                                 collate_fn=collate_function(self.cfg),
+                                 **loader_options(self.cfg, self.device, self.follows_epoch))
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.start = start
+        self.loader.generator.manual_seed(self.seed + epoch)
+        if self.follows_epoch:
+            self.dataset.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.loader), self.start, self.batches or None)
+
+
+def fits_on_device(dataset: TensorDataset, device: torch.device, budget_mb: int) -> bool:
+    size_mb = sum(t.numel() * t.element_size() for t in dataset.tensors) / 2**20
     return device.type == "cpu" or size_mb <= budget_mb
 
 
-def make_batches(split: Split, cfg: DictConfig, plan: BatchPlan, device: torch.device,
-                 target_device: Optional[torch.device] = None):
-    in_memory = isinstance(split, Split)  # image folders are decoded as they are read
-    use_memory = in_memory and (cfg.loader == "memory" or (cfg.loader == "auto" and fits_on_device(split, device, cfg.device_cache_mb)))
-    if use_memory:
-        return InMemoryBatches(split, plan, device, target_device)
-    return StreamedBatches(split, plan, device, cfg.num_workers)
+def make_batches(dataset: Dataset, cfg: DictConfig, plan: BatchPlan, device: torch.device):
+    tensors = isinstance(dataset, TensorDataset)
+    if cfg.loader == "memory" and not tensors:
+        raise ConfigError(f"data.loader=memory needs the data as tensors (a TensorDataset), but this split is a "
+                          f"{type(dataset).__name__}; use data.loader=auto or dataloader.")
+    if tensors and (cfg.loader == "memory" or (cfg.loader == "auto" and fits_on_device(dataset, device, cfg.device_cache_mb))):
+        return InMemoryBatches(dataset, plan, device)
+    return StreamedBatches(dataset, plan, cfg, device)
 
 
-def train_batches(bundle: DataBundle, cfg: DictConfig, device: torch.device, seed: int, rank: int = 0, world_size: int = 1,
-                  target_device: Optional[torch.device] = None):
+def train_batches(bundle: DataBundle, cfg: DictConfig, device: torch.device, seed: int, rank: int = 0, world_size: int = 1):
+    if isinstance(bundle.train, IterableDataset):
+        if cfg.batch_size % world_size:
+            raise ConfigError(f"batch_size={cfg.batch_size} does not divide among {world_size} processes; "
+                              f"use a multiple of {world_size}.")
+        return IterableBatches(bundle.train, cfg.batch_size // world_size, cfg, device, train=True, seed=seed)
     plan = BatchPlan(len(bundle.train), cfg.batch_size, shuffle=True, seed=seed, rank=rank, world_size=world_size)
-    return make_batches(bundle.train, cfg, plan, device, target_device)
+    return make_batches(bundle.train, cfg, plan, device)
 
 
-def eval_batches(split: Split, cfg: DictConfig, device: torch.device, rank: int = 0, world_size: int = 1,
-                 batch_size: Optional[int] = None, target_device: Optional[torch.device] = None):
-    plan = BatchPlan(len(split), batch_size or cfg.eval_batch_size, shuffle=False, rank=rank, world_size=world_size)
-    return make_batches(split, cfg, plan, device, target_device)
+def eval_batches(dataset: Dataset, cfg: DictConfig, device: torch.device, rank: int = 0, world_size: int = 1,
+                 batch_size: Optional[int] = None):
+    if isinstance(dataset, IterableDataset):
+        return IterableBatches(dataset, batch_size or cfg.eval_batch_size, cfg, device, train=False)
+    plan = BatchPlan(len(dataset), batch_size or cfg.eval_batch_size, shuffle=False, rank=rank, world_size=world_size)
+    return make_batches(dataset, cfg, plan, device)

@@ -96,6 +96,20 @@ class Interrupted(RunlabError):
         return type(self), (self.signum, str(self))
 
 
+def instantiate(config, **kwargs):
+    """``hydra.utils.instantiate``; an error of runlab's that the target raised (a bad data file, say)
+    comes out as itself, one line, instead of wrapped in Hydra's InstantiationException."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+
+    try:
+        return hydra_instantiate(config, **kwargs)
+    except InstantiationException as error:
+        if isinstance(error.__cause__, RunlabError):
+            raise error.__cause__ from None
+        raise
+
+
 def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 

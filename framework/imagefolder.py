@@ -14,10 +14,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
 from PIL import Image, UnidentifiedImageError
 
-from framework.data import Batch, DataBundle, per_class, split_indices
+from framework.data import DataBundle, per_class, split_indices
 from framework.errors import ConfigError
 
 SUFFIXES = (".png", ".jpg", ".jpeg")
@@ -72,24 +71,30 @@ class ImageTransform:
         return pixels.contiguous()
 
 
-class ImageSplit:
-    """Image files and their labels; ``take`` decodes a batch (in a DataLoader worker).
+class ImageSplit(torch.utils.data.Dataset):
+    """Image files and their labels, decoded one by one (in DataLoader workers).
 
     A training split augments: sample i in epoch e is transformed with a generator seeded by
-    (seed, e, i), so the result depends on neither the worker nor the order of loading.
+    (seed, e, i), so the result depends on neither the worker nor the order of loading, and a
+    run resumed mid-epoch sees the same images. The loader calls ``set_epoch`` (and so starts
+    its workers anew each epoch, with this epoch's copy).
     """
 
     def __init__(self, files: List[Path], labels: np.ndarray, transform: ImageTransform, seed: int, augments: bool):
         self.files, self.y, self.transform = files, torch.from_numpy(labels), transform
-        self.seed, self.augments = seed, augments
+        self.seed, self.augments, self.epoch = seed, augments, 0
+        if not augments:
+            self.set_epoch = None  # nothing follows the epoch: the loader may keep its workers
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.files)
 
-    def take(self, index: torch.Tensor, epoch: int = 0) -> Batch:
-        images = [self.transform(self.files[i], np.random.default_rng([self.seed, epoch, i]) if self.augments else None)
-                  for i in index.tolist()]
-        return torch.stack(images), self.y[index]
+    def __getitem__(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        rng = np.random.default_rng([self.seed, self.epoch, i]) if self.augments else None
+        return self.transform(self.files[i], rng), self.y[i]
 
 
 def class_folders(directory: Path) -> Dict[str, List[Path]]:
@@ -103,24 +108,24 @@ def labelled(folders: Dict[str, List[Path]], classes: List[str]) -> Listing:
     return files, np.array(labels, dtype=np.int64)
 
 
-def list_splits(cfg: DictConfig) -> Tuple[List[str], List[Listing]]:
+def list_splits(root: str, val_fraction: float, test_fraction: float, split_seed: int) -> Tuple[List[str], List[Listing]]:
     """The class names and the (files, labels) of train, val and test."""
-    root = Path(cfg.root)
+    root = Path(root)
     if not (root / "train").is_dir():
         folders = class_folders(root)
         classes = [name for name, files in folders.items() if files]
         files, labels = labelled(folders, classes)
-        parts = split_indices(len(files), cfg.val_fraction, cfg.test_fraction, cfg.split_seed)
+        parts = split_indices(len(files), val_fraction, test_fraction, split_seed)
         return classes, [([files[i] for i in part], labels[part]) for part in parts]
     folders = [class_folders(root / name) if (root / name).is_dir() else {} for name in SPLITS]
     classes = [name for name, files in folders[0].items() if files]
     if not any(folders[1].values()):
-        raise ConfigError(f"data.root={cfg.root!r} has train/ but no images in val/<class>/; add a val split "
+        raise ConfigError(f"data.root={str(root)!r} has train/ but no images in val/<class>/; add a val split "
                           "(test/ is optional).")
     for split, found in zip(SPLITS[1:], folders[1:]):
         unknown = sorted(name for name, files in found.items() if files and name not in classes)
         if unknown:
-            raise ConfigError(f"data.root={cfg.root!r}: {split}/{unknown[0]} is a class that train/ does not have; "
+            raise ConfigError(f"data.root={str(root)!r}: {split}/{unknown[0]} is a class that train/ does not have; "
                               f"train/ has {', '.join(classes)}.")
     return classes, [labelled(found, classes) for found in folders]
 
@@ -147,15 +152,16 @@ def checked_shape(files: List[Path], transform: ImageTransform, root: str) -> Tu
     return (1 if transform.grayscale else 3), height, width
 
 
-def build_image_folder(cfg: DictConfig, seed: int) -> DataBundle:
-    classes, (train, val, test) = list_splits(cfg)
+def build_image_folder(root: str, transforms: Dict, seed: int, val_fraction: float, test_fraction: float,
+                       split_seed: int, train_per_class: int) -> DataBundle:
+    classes, (train, val, test) = list_splits(root, val_fraction, test_fraction, split_seed)
     if len(classes) < 2:
-        raise ConfigError(f"data.root={cfg.root!r} holds images of {len(classes)} class(es); it needs a folder of "
+        raise ConfigError(f"data.root={root!r} holds images of {len(classes)} class(es); it needs a folder of "
                           f"{'|'.join(SUFFIXES)} files for each of at least 2 classes.")
-    keep = per_class(np.arange(len(train[0])), train[1], cfg.train_per_class)
+    keep = per_class(np.arange(len(train[0])), train[1], train_per_class)
     train = ([train[0][i] for i in keep], train[1][keep])
-    transform = ImageTransform(**OmegaConf.to_container(cfg.transforms))
-    shape = checked_shape(train[0] + val[0] + test[0], transform, cfg.root)
+    transform = ImageTransform(**transforms)
+    shape = checked_shape(train[0] + val[0] + test[0], transform, root)
     splits = [ImageSplit(files, labels, transform, seed, augments=transform.augments and name == "train")
               for name, (files, labels) in zip(SPLITS, (train, val, test))]
     return DataBundle(*splits, input_shape=shape, classes=classes)

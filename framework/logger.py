@@ -114,16 +114,18 @@ def prediction_grid(images: torch.Tensor, labels: torch.Tensor, predictions: tor
 # TensorBoard lists tag groups (the text before the first "/") alphabetically and opens on the
 # first: the curves to look at first share the group "overview", which sorts before every other
 # group written here (predictions, test, train, troubleshoot, weights). Within it, cards sort by
-# tag too: train and val loss first, side by side, then the monitored metric and lr, then memory
-# and throughput. Other tags keep the metric's name.
-TAGS = {"train/loss": "overview/loss/train", "val/loss": "overview/loss/val", "val/acc": "overview/metric/val/acc",
+# tag too: train and val loss first, side by side, then the objective's val metrics and lr, then
+# memory and throughput. Other tags keep the metric's name.
+TAGS = {"train/loss": "overview/loss/train", "val/loss": "overview/loss/val",
         "lr": "overview/optimizer/lr", "memory/peak_mb": "overview/system/memory_peak_mb",
         "train/samples_per_second": "overview/system/samples_per_second", "epoch": "train/epoch"}
 
 
 def tag(metric: str) -> str:
-    """A metric's TensorBoard tag."""
-    return TAGS.get(metric, metric)
+    """A metric's TensorBoard tag: each val metric of the objective (val/acc, val/rmse, ...) in the overview."""
+    if metric in TAGS:
+        return TAGS[metric]
+    return f"overview/metric/{metric}" if metric.startswith("val/") and metric.count("/") == 1 else metric
 
 
 def overview_layout(monitor: str) -> Dict[str, Dict[str, list]]:

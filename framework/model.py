@@ -17,12 +17,11 @@ from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from hydra.errors import InstantiationException
-from hydra.utils import get_object, instantiate
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from framework.errors import ConfigError, RunlabError
+from framework.errors import ConfigError, instantiate
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +118,31 @@ class ResNet(nn.Sequential):
         super().__init__(layers)
 
 
+class CharLM(nn.Module):
+    """A character-level language model: embeddings, a GRU, and a linear layer to the next character's
+    logits. It computes its own loss from a batch (objective=model_loss, framework/objective.py):
+    the mean cross entropy, in nats, of each next character given the ones before it."""
+
+    head_name = "head"
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, width: int = 128, depth: int = 1,
+                 dropout: float = 0.0):
+        super().__init__()
+        self.embedding = nn.Embedding(num_classes, width)
+        self.rnn = nn.GRU(width, width, num_layers=depth, batch_first=True, dropout=dropout if depth > 1 else 0.0)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, characters: torch.Tensor) -> torch.Tensor:
+        """(batch, time) character ids -> (batch, time, vocabulary) logits of each next character."""
+        hidden, _ = self.rnn(self.embedding(characters))
+        return self.head(hidden)
+
+    def loss(self, batch: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        characters, following = batch
+        logits = self(characters)
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), following.flatten())
+
+
 def import_extra(package: str) -> Any:
     """``torchvision`` or ``timm``, which the project's optional extra of that name installs."""
     install = f"pip install -c constraints.txt -e '.[{package}]'"
@@ -184,12 +208,7 @@ def model_spec(model_cfg: DictConfig, input_shape: Tuple[int, ...], num_classes:
 
 
 def build_model(spec: Dict[str, Any]) -> nn.Module:
-    try:
-        model = instantiate(spec, _convert_="all")
-    except InstantiationException as error:  # hydra wraps what the constructor raised; the user's error is that one
-        if isinstance(error.__cause__, RunlabError):
-            raise error.__cause__ from None
-        raise
+    model = instantiate(spec, _convert_="all")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model._target_={spec['_target_']!r} built a {type(model).__name__}, not a torch.nn.Module.")
     return model

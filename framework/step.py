@@ -8,7 +8,9 @@ the same step, so no optimizer step is lost or repeated (troubleshoot/oom.py dec
 smaller size; parallel's ``Environment`` makes the processes of a ddp run agree). The sizes
 travel in checkpoints (``state_dict``): a resumed run starts where the last one settled.
 
-The training loop (trainer.py) and the doctor (troubleshoot/doctor.py) both drive it.
+The step never looks inside a batch: the objective (objective.py) turns one into a loss, and
+framework/batch.py moves and cuts it. The training loop (trainer.py) and the doctor
+(troubleshoot/doctor.py) both drive it.
 """
 from __future__ import annotations
 
@@ -17,12 +19,13 @@ import math
 from typing import Any, Dict, Optional
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
+from framework import batch as batches
 from framework.errors import ConfigError
 from framework.nonfinite import NonFiniteGuard
+from framework.objective import Objective
 from framework.parallel import Environment
 from framework.troubleshoot.oom import OOMRecovery
 
@@ -44,29 +47,22 @@ class Precision:
 
 
 @torch.inference_mode()
-def eval_totals(model: nn.Module, batches, env: Environment, precision: Precision) -> torch.Tensor:
-    """This process's loss sum, correct count, sample count and an out-of-memory flag (0 here) over a split."""
+def evaluation_pass(model: nn.Module, objective: Objective, split_batches, env: Environment, precision: Precision) -> bool:
+    """Feed this process's share of a split to the objective's metrics; no graph is built."""
     model.eval()
-    totals = torch.zeros(4, dtype=torch.float64, device=env.output_device)
-    for x, y in batches:
-        if not batches.on_device:
-            x, y = x.to(env.device), y.to(env.output_device)
+    objective.reset()
+    for batch in split_batches:
+        if not split_batches.on_device:
+            batch = batches.to_device(batch, env.device)
         with precision.autocast():
-            logits = model(x)
-        totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
-        totals[1] += (logits.argmax(1) == y).sum()
-        totals[2] += len(y)
-    return totals
+            objective.update(model, batch)
+    return True
 
 
-def summarize(totals: torch.Tensor) -> Dict[str, float]:
-    loss_sum, correct, count, _ = totals.tolist()
-    return {"loss": loss_sum / count, "acc": correct / count}
-
-
-def evaluate(model: nn.Module, batches, env: Environment, precision: Precision) -> Dict[str, float]:
-    """Mean loss and accuracy over a split, summed across processes; no graph is built."""
-    return summarize(env.all_reduce_sum(eval_totals(model, batches, env, precision)))
+def evaluate(model: nn.Module, objective: Objective, split_batches, env: Environment, precision: Precision) -> Dict[str, float]:
+    """The objective's loss and metrics over a split, across processes."""
+    evaluation_pass(model, objective, split_batches, env, precision)
+    return objective.compute()
 
 
 def configured_micro_batch(cfg: DictConfig, world_size: int) -> int:
@@ -80,11 +76,12 @@ def configured_micro_batch(cfg: DictConfig, world_size: int) -> int:
 
 
 class TrainStep:
-    """``step(x, y, index, where)``: one optimizer step over a batch; ``evaluate(batches)``: one pass."""
+    """``step(batch, index, where)``: one optimizer step over a batch; ``evaluate(batches)``: one pass."""
 
-    def __init__(self, cfg: DictConfig, env: Environment, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 nonfinite: NonFiniteGuard, oom: OOMRecovery, logger):
+    def __init__(self, cfg: DictConfig, env: Environment, model: nn.Module, objective: Objective,
+                 optimizer: torch.optim.Optimizer, nonfinite: NonFiniteGuard, oom: OOMRecovery, logger):
         self.env, self.optimizer, self.nonfinite, self.oom, self.logger = env, optimizer, nonfinite, oom, logger
+        self.objective = objective
         self.model = model  # the wrapped model: under ddp a failed step may wrap it anew (after_failed_step)
         self.parameters = list(model.parameters())  # listed once: walking the modules costs more than the norm
         self.precision = Precision(str(cfg.trainer.precision), env.device)
@@ -96,12 +93,12 @@ class TrainStep:
     def of(cls, cfg: DictConfig, env: Environment, setup, nonfinite: NonFiniteGuard, logger) -> "TrainStep":
         """The step for a ``trainer.Setup``: its model and optimizer, with out-of-memory recovery as configured."""
         oom = OOMRecovery(cfg.troubleshoot, env, setup.model, setup.optimizer, setup.spec, setup.data.input_shape)
-        return cls(cfg, env, setup.model, setup.optimizer, nonfinite, oom, logger)
+        return cls(cfg, env, setup.model, setup.objective, setup.optimizer, nonfinite, oom, logger)
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor, index: int, where: str) -> Optional[torch.Tensor]:
+    def __call__(self, batch: Any, index: int, where: str) -> Optional[torch.Tensor]:
         """Optimizer step ``index`` (0-based) over the batch; returns its mean loss (detached), or None when
         the step was not finite and skipped. ``where`` names the step in messages."""
-        while (loss := self.gradients(x, y, index)) is None:
+        while (loss := self.gradients(batch, index)) is None:
             pass  # a process ran out of memory: every one backed off, and the same step is tried again
         grad_norm = self.unscaled_grad_norm()
         applied = self.nonfinite.step_is_finite(loss, grad_norm, where, self.lr)
@@ -110,10 +107,10 @@ class TrainStep:
         self.precision.scaler.update()
         return loss if applied else None
 
-    def gradients(self, x: torch.Tensor, y: torch.Tensor, index: int) -> Optional[torch.Tensor]:
+    def gradients(self, batch: Any, index: int) -> Optional[torch.Tensor]:
         """The batch's gradients in place and its mean loss, or None when some process ran out of memory
         (then all of them have freed the attempt and halved the micro-batch)."""
-        loss = self.oom.attempt(self.accumulate_gradients, x, y)
+        loss = self.oom.attempt(self.accumulate_gradients, batch)
         if loss is None:  # free what the attempt held before joining the other processes' collectives
             self.oom.free(drop_gradients=True)
         ran_out = self.env.processes_out_of_memory(self.model, ran_out=loss is None)
@@ -122,26 +119,27 @@ class TrainStep:
         if loss is not None:  # another process ran out: this one drops its finished attempt too
             self.oom.free(drop_gradients=True)
         self.model = self.env.after_failed_step(self.model)
-        self.micro_batch = self.oom.back_off(self.micro_batch, len(y), index, ran_out, self.logger)
+        self.micro_batch = self.oom.back_off(self.micro_batch, batches.size(batch), index, ran_out, self.logger)
         return None
 
-    def accumulate_gradients(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def accumulate_gradients(self, batch: Any) -> torch.Tensor:
         """Forward and backward over the batch in micro-batches; returns the batch's mean loss (detached)."""
         self.optimizer.zero_grad(set_to_none=True)
         batch_loss = None
+        samples = batches.size(batch)
         # A batch that is one micro-batch is not split: each split is an op, and a small model's step is a few.
-        micro_batches = zip(x.split(self.micro_batch), y.split(self.micro_batch)) if len(y) > self.micro_batch else [(x, y)]
-        last = math.ceil(len(y) / self.micro_batch) - 1
-        for i, (xs, ys) in enumerate(micro_batches):
+        micro_batches = batches.split(batch, self.micro_batch) if samples > self.micro_batch else [batch]
+        last = math.ceil(samples / self.micro_batch) - 1
+        for i, micro_batch in enumerate(micro_batches):
             # Gradients accumulate locally until the last micro-batch, whose backward synchronises
             # them across processes (under ddp: bucket by bucket, overlapped with that backward).
             with self.env.no_sync(self.model) if i < last else contextlib.nullcontext():
                 with self.precision.autocast():
-                    loss = F.cross_entropy(self.model(xs), ys)
+                    loss = self.objective.loss(self.model, micro_batch)
                 # Weight each micro-batch by its share, so the gradient equals the full batch's
                 # (a whole batch skips the multiplication: a small model's step is a few ops).
                 if last:
-                    loss = loss * (len(ys) / len(y))
+                    loss = loss * (batches.size(micro_batch) / samples)
                 self.precision.scaler.scale(loss).backward()
             batch_loss = loss.detach() if batch_loss is None else batch_loss + loss.detach()
         return batch_loss
@@ -158,22 +156,21 @@ class TrainStep:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    def evaluate(self, batches, index: int = 0) -> Dict[str, float]:
-        """Mean loss and accuracy over a split, summed across processes; no graph is built.
+    def evaluate(self, split_batches, index: int = 0) -> Dict[str, float]:
+        """The objective's loss and metrics over a split, across processes; no graph is built.
 
         If any process runs out of memory, all of them halve the eval batch and redo the pass:
-        the out-of-memory flag rides on the all-reduce of the totals, so it costs no collective.
+        they agree on it before the metrics are computed (which, under ddp, gathers them).
         """
         while True:
-            batches.plan.batch_size = self.eval_batch_size
-            totals = self.oom.attempt(eval_totals, self.model, batches, self.env, self.precision)
-            if totals is None:  # ran out of memory here: tell the others through the flag
+            split_batches.set_batch_size(self.eval_batch_size)
+            finished = self.oom.attempt(evaluation_pass, self.model, self.objective, split_batches, self.env, self.precision)
+            if not finished:
                 self.oom.free(drop_gradients=False)
-                totals = torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64, device=self.env.output_device)
-            totals = self.env.all_reduce_sum(totals)
-            if not totals[3]:
-                return summarize(totals)
-            self.eval_batch_size = self.oom.back_off_eval(self.eval_batch_size, index, int(totals[3]), self.logger)
+            ran_out = int(self.env.all_reduce_sum(torch.tensor([0.0 if finished else 1.0], device=self.env.device)).item())
+            if not ran_out:
+                return self.objective.compute()
+            self.eval_batch_size = self.oom.back_off_eval(self.eval_batch_size, index, ran_out, self.logger)
 
     @property
     def sizes(self) -> tuple:

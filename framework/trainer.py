@@ -19,12 +19,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.checkpoint import (Checkpointer, EarlyStopping, TRAINING_STATE, atomic_write, load_checkpoint, rng_state,
                                   set_rng_state)
-from framework.data import DataBundle, build_data, eval_batches, first, train_batches
+from framework import batch as batches
+from framework.config import monitor_mode
+from framework.data import DataBundle, build_data, collate_function, eval_batches, first, length, train_batches
 from framework.errors import Interrupted, signal_name
 from framework.finetune import Finetuner
 from framework.logger import build_logger, run_name
 from framework.model import build_model, count_parameters
 from framework.nonfinite import NonFiniteGuard
+from framework.objective import Objective, build_objective
 from framework.optimizer import build_optimizer, configured_groups, keep_configured, restart_lr
 from framework.parallel import Environment, unwrap
 from framework.paths import shown
@@ -57,6 +60,7 @@ class Setup:
     """What a run trains, built the same way for training and for the doctor."""
 
     data: DataBundle
+    objective: Objective
     finetuner: Finetuner
     spec: Dict[str, Any]  # the model's constructor call
     model: torch.nn.Module  # wrapped for the parallel mode
@@ -66,11 +70,12 @@ class Setup:
 def build_setup(cfg: DictConfig, env: Environment) -> Setup:
     seed_everything(cfg.seed, cfg.trainer.deterministic)
     data = build_data(cfg.data, cfg.seed)
+    objective = build_objective(cfg.objective, data.output_size).to(env.output_device)
     finetuner = Finetuner(cfg)
-    spec = finetuner.model_spec(cfg.model, data.input_shape, data.num_classes)
-    model = env.wrap(finetuner.prepare(build_model(spec)))
+    spec = finetuner.model_spec(cfg.model, data.input_shape, data.output_size)
+    model = env.wrap(objective.wrap(finetuner.prepare(build_model(spec))))
     optimizer = build_optimizer(cfg.optimizer, model, finetuner.param_groups())
-    return Setup(data, finetuner, spec, model, optimizer)
+    return Setup(data, objective, finetuner, spec, model, optimizer)
 
 
 class Trainer:
@@ -79,14 +84,13 @@ class Trainer:
         self.stop = stop or StopRequest()
         setup = build_setup(cfg, env)
         self.data, self.finetuner, self.spec, self.optimizer = setup.data, setup.finetuner, setup.spec, setup.optimizer
+        self.objective = setup.objective
         self.scheduler = build_scheduler(cfg.scheduler, self.optimizer)
-        self.train_batches = train_batches(self.data, cfg.data, env.device, cfg.seed, env.rank, env.world_size,
-                                           target_device=env.output_device)
-        self.val_batches = eval_batches(self.data.val, cfg.data, env.device, env.rank, env.world_size,
-                                        target_device=env.output_device)
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.monitor, cfg.checkpoint.mode,
-                                         cfg.checkpoint.enabled, env.is_main)
-        self.early_stopping = EarlyStopping(**cfg.early_stopping)
+        self.train_batches = train_batches(self.data, cfg.data, env.device, cfg.seed, env.rank, env.world_size)
+        self.val_batches = eval_batches(self.data.val, cfg.data, env.device, env.rank, env.world_size)
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.monitor,
+                                         monitor_mode(cfg, "checkpoint"), cfg.checkpoint.enabled, env.is_main)
+        self.early_stopping = EarlyStopping(**{**cfg.early_stopping, "mode": monitor_mode(cfg, "early_stopping")})
         self.nonfinite = NonFiniteGuard(cfg.trainer.on_nonfinite, str(cfg.trainer.precision), self.finite_state_kept)
         self.trial = sweep_trial(cfg, self.run_dir, env.is_main)
         self.logger = build_logger(cfg, self.run_dir, env.is_main, run_name(cfg.name, self.run_dir, self.trial))
@@ -186,8 +190,9 @@ class Trainer:
 
     def fit(self) -> Dict[str, float]:
         trainable, frozen = count_parameters(self.model)
-        log.info("Model %s: %s trainable, %s frozen parameters; %d train / %d val samples.",
-                 self.spec["_target_"], f"{trainable:,}", f"{frozen:,}", len(self.data.train), len(self.data.val))
+        log.info("Model %s: %s trainable, %s frozen parameters; %s train / %s val samples.", self.spec["_target_"],
+                 f"{trainable:,}", f"{frozen:,}", *(f"{length(split):,}" if length(split) >= 0 else "an iterable of"
+                                                    for split in (self.data.train, self.data.val)))
         progress = ProgressBar(self.max_steps, self.cfg.trainer.progress_bar and self.env.is_main, initial=self.step)
         started, steps_at_start = time.perf_counter(), self.step
         try:
@@ -205,18 +210,17 @@ class Trainer:
         """One pass over the training batches; returns the mean training loss."""
         self.model.train()
         self.finetuner.on_epoch_start(self.epoch)
-        self.train_batches.set_epoch(self.epoch)
+        # A run resumed mid-epoch starts at the batch after the last it trained on, without loading those before.
+        self.train_batches.set_epoch(self.epoch, start=self.batch_in_epoch)
         # Losses are summed as a detached tensor: no graph is kept alive across steps and
         # the host syncs only when a value is logged, not on every step.
         loss_sum = torch.zeros((), device=self.env.output_device)
         steps, window_start, window_time = 0, 0, time.perf_counter()
         log_every = self.cfg.trainer.log_every_n_steps
-        for index, (x, y) in enumerate(self.train_batches):
-            if index < self.batch_in_epoch:  # a resumed run skips the batches it already trained on
-                continue
+        for index, batch in enumerate(self.train_batches, start=self.batch_in_epoch):
             if not self.train_batches.on_device:
-                x, y = x.to(self.env.device, non_blocking=True), y.to(self.env.output_device, non_blocking=True)
-            loss = self.train_step(x, y, self.step, self.position(self.step + 1))
+                batch = batches.to_device(batch, self.env.device)
+            loss = self.train_step(batch, self.step, self.position(self.step + 1))
             self.scheduler.after_step()
             if loss is not None:  # None: a non-finite step skipped (trainer.on_nonfinite=skip)
                 loss_sum, steps = loss_sum + loss, steps + 1
@@ -280,7 +284,7 @@ class Trainer:
 
     def end_epoch(self, train_loss: float, progress: ProgressBar) -> None:
         val = self.train_step.evaluate(self.val_batches, self.step)
-        metrics = {"train/loss": train_loss, "val/loss": val["loss"], "val/acc": val["acc"]}
+        metrics = {"train/loss": train_loss, **{f"val/{name}": value for name, value in val.items()}}
         # Broken weights must not reach a checkpoint: the last finite state stays on disk.
         self.nonfinite.check_validation(metrics, self.position(self.step), self.current_lr)
         # A run stopped by max_steps mid-epoch keeps its place in the epoch, so a resume
@@ -300,9 +304,9 @@ class Trainer:
             self.stop_reason = pruned
         self.metrics = metrics
         self.checkpointer.maybe_save(self.state, metrics)
-        progress.show({"val_acc": val["acc"], "val_loss": val["loss"]})
-        log.info("epoch %d  step %d  train/loss %.4f  val/loss %.4f  val/acc %.4f",
-                 self.epoch, self.step, train_loss, val["loss"], val["acc"])
+        progress.show({f"val_{name}": value for name, value in val.items()})
+        log.info("epoch %d  step %d  %s", self.epoch, self.step,
+                 "  ".join(f"{name} {metrics[name]:.4f}" for name in metrics if name != "epoch"))
 
     def finish(self, train_seconds: float, steps_run: int) -> Dict[str, float]:
         """Test the best weights, write metrics.json and the run's hparams, and say where everything is."""
@@ -319,7 +323,9 @@ class Trainer:
         self.log_sample_predictions()
         # Traced once trained: a trace runs the model, and one before or during training would
         # draw dropout's random numbers and move BatchNorm's statistics.
-        self.logger.log_graph(unwrap(self.model), first(self.data.val, 2)[0].to(self.env.device))
+        example = self.objective.example_input(first(self.data.val, 2, collate_function(self.cfg.data)))
+        if example is not None:
+            self.logger.log_graph(unwrap(self.model), batches.to_device(example, self.env.device))
         self.logger.log_hparams(self.hparams(), {k: v for k, v in final.items() if "/" in k})
         if self.env.is_main:
             text = json.dumps(final, indent=2, allow_nan=True) + "\n"
@@ -330,7 +336,8 @@ class Trainer:
     def log_where_things_are(self, final: Dict[str, float]) -> None:
         """The run's last lines: where it wrote, how it did, and how to look at it."""
         monitor = self.checkpointer.tracker.monitor
-        tests = "  ".join(f"{name} {final[name]:.4f}" for name in ("test/acc", "test/loss") if name in final)
+        tested = (f"test/{monitor.split('/', 1)[1]}", "test/loss")
+        tests = "  ".join(f"{name} {final[name]:.4f}" for name in dict.fromkeys(tested) if name in final)
         best = final[f"best/{monitor}"]
         log.info("Run dir: %s", shown(self.run_dir))
         log.info("Best %s: %s%s", monitor, "none" if best is None else f"{best:.4f}", f"   {tests}" if tests else "")
@@ -340,7 +347,7 @@ class Trainer:
             log.info("TensorBoard: tensorboard --logdir %s", shown(self.run_dir / "tensorboard"))
 
     def test_best(self) -> Dict[str, float]:
-        if not self.cfg.trainer.test_after_fit or not len(self.data.test):
+        if not self.cfg.trainer.test_after_fit or not length(self.data.test):
             return {}
         self.checkpointer.wait()
         self.env.barrier()  # every process reads best.pt only once rank 0 has finished writing it
@@ -348,14 +355,15 @@ class Trainer:
             # The checkpoint of the best epoch, not the last weights, is what a user would ship.
             unwrap(self.model).load_state_dict(load_checkpoint(self.checkpointer.best, require=("model",))["model"])
         test = self.train_step.evaluate(eval_batches(self.data.test, self.cfg.data, self.env.device, self.env.rank,
-                                                     self.env.world_size, target_device=self.env.output_device), self.step)
-        return {"test/loss": test["loss"], "test/acc": test["acc"]}
+                                                     self.env.world_size), self.step)
+        return {f"test/{name}": value for name, value in test.items()}
 
     def log_sample_predictions(self) -> None:
-        if not self.data.is_image:
+        """A grid of val images captioned with predicted and true class: only where outputs are class scores of images."""
+        if not (self.objective.labels_outputs and self.data.input_shape and len(self.data.input_shape) == 3):
             return
         with torch.inference_mode():
-            images, labels = first(self.data.val, 16)
+            images, labels = self.objective.inputs_and_target(first(self.data.val, 16, collate_function(self.cfg.data)))
             predictions = self.model(images.to(self.env.device)).argmax(1).cpu()
         self.logger.log_predictions(images, labels, predictions, self.epoch)
 

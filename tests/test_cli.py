@@ -64,8 +64,9 @@ def test_an_unknown_model_names_the_available_options(cli):
 @pytest.mark.parametrize("overrides, message", [
     (["lr=-0.1"], "lr=-0.1 is invalid; the learning rate must be a positive number"),
     (["batch_size=0"], "batch_size=0 is invalid; it must be a positive integer"),
-    (["optimized_metric=val/f1"], "optimized_metric='val/f1' is not allowed; choose one of"),
-    (["checkpoint.monitor=val/f1"], "checkpoint.monitor='val/f1' is not allowed"),
+    (["optimized_metric=val/rmse"], "optimized_metric='val/rmse' is not allowed; choose one of"),
+    (["checkpoint.monitor=test/acc"], "checkpoint.monitor='test/acc' is not a metric of every epoch of this run; "
+                                      "choose one of train/loss, val/loss, val/acc, val/acc_top5, val/f1."),
     (["data=csv", "data.path=/nonexistent/train.csv"], "data.path='/nonexistent/train.csv' does not exist"),
     (["trainer.precision=16"], "trainer.precision='16' is not allowed; choose one of 32, bf16, fp16"),
     (["data.loader=fast"], "data.loader='fast' is not allowed; choose one of auto, memory, dataloader."),
@@ -81,16 +82,20 @@ def test_bad_values_are_refused_before_any_work(train, overrides, message):
     assert message in str(error.value)
 
 
-@pytest.mark.parametrize("group", ["data", "logger", "parallel"])
+@pytest.mark.parametrize("group", ["data", "objective", "logger", "parallel"])
 def test_every_option_extends_its_own_schema_and_names_its_builder(group):
     from hydra.utils import get_object
     from omegaconf import OmegaConf
 
     from conftest import REPO, composed
-    from framework.config import OPTIONS
+    from framework.config import LOADER_KEYS, OPTIONS
 
     assert sorted(OPTIONS[group]) == sorted(path.stem for path in (REPO / "conf" / group).glob("*.yaml"))
     for name, schema in OPTIONS[group].items():
+        if f"{group}={name}" == "data=custom":  # the user's own keys: untyped, with the loader's
+            node = composed("data=custom", "data._target_=framework.data.digits")[group]
+            assert OmegaConf.get_type(node) is dict and LOADER_KEYS <= set(node)
+            continue
         node = composed(f"{group}={name}")[group]
         assert OmegaConf.get_type(node) is schema and schema.option == f"{group}={name}"
         assert callable(get_object(node._target_))

@@ -66,7 +66,7 @@ def test_batch_size_that_does_not_divide_among_processes_is_refused():
 def test_synthetic_data_has_the_configured_shape():
     cfg = composed("data=synthetic", "data.num_samples=200", "data.input_shape=[1,6,6]", "data.num_classes=3")
     bundle = build_data(cfg.data, seed=0)
-    assert bundle.input_shape == (1, 6, 6) and bundle.num_classes == 3 and bundle.is_image
+    assert bundle.input_shape == (1, 6, 6) and bundle.output_size == 3
     assert len(bundle.train) + len(bundle.val) + len(bundle.test) == 200
 
 
@@ -115,8 +115,8 @@ def test_per_class_keeps_the_first_n_of_each_class_in_the_given_order():
 def test_train_per_class_is_a_small_labelled_budget_and_leaves_val_and_test_alone():
     budget = build_data(composed("data.classes=[5,6,7,8,9]", "data.train_per_class=3").data, seed=0)
     full = build_data(composed("data.classes=[5,6,7,8,9]").data, seed=0)
-    assert len(budget.train) == 15 and torch.bincount(budget.train.y).tolist() == [3] * 5
-    assert budget.classes == ["5", "6", "7", "8", "9"] and torch.equal(budget.test.y, full.test.y)
+    assert len(budget.train) == 15 and torch.bincount(budget.train.tensors[1]).tolist() == [3] * 5
+    assert budget.classes == ["5", "6", "7", "8", "9"] and torch.equal(budget.test.tensors[1], full.test.tensors[1])
 
 
 def test_class_names_come_from_the_data(tmp_path):
@@ -143,11 +143,15 @@ def test_an_image_folder_is_split_by_fraction_and_transformed_to_one_size(tmp_pa
     bundle = build_data(cfg, seed=0)
     assert bundle.classes == ["cat", "dog"] and bundle.input_shape == (1, 12, 12)
     assert (len(bundle.train), len(bundle.val), len(bundle.test)) == (28, 6, 6)
-    index = torch.arange(4)
-    x, y = bundle.train.take(index, epoch=1)
-    assert x.shape == (4, 1, 12, 12) and torch.equal(x, bundle.train.take(index, epoch=1)[0])  # seeded by epoch and sample
-    assert not torch.equal(x, bundle.train.take(index, epoch=2)[0])
-    assert torch.equal(bundle.val.take(index)[0], bundle.val.take(index, epoch=3)[0])  # evaluation does not augment
+    def images(split, epoch):
+        if split.set_epoch:
+            split.set_epoch(epoch)
+        return torch.stack([split[i][0] for i in range(4)])
+
+    x = images(bundle.train, 1)
+    assert x.shape == (4, 1, 12, 12) and torch.equal(x, images(bundle.train, 1))  # seeded by epoch and sample
+    assert not torch.equal(x, images(bundle.train, 2))
+    assert bundle.val.set_epoch is None and torch.equal(images(bundle.val, 0), images(bundle.val, 3))  # evaluation does not augment
 
 
 def test_images_that_cannot_be_read_or_come_out_in_two_sizes_fail_in_one_line(tmp_path):
@@ -182,6 +186,6 @@ def test_a_data_config_from_before_options_named_their_reader_reads_as_its_sourc
     earlier = OmegaConf.create({**{k: v for k, v in current.items() if k != "_target_"}, "source": "digits",
                                 "num_samples": 4096, "path": ""})  # that config held every source's keys
     now, then = build_data(OmegaConf.create(current), seed=0), build_data(earlier, seed=0)
-    assert torch.equal(now.train.x, then.train.x) and torch.equal(now.test.y, then.test.y)
+    assert torch.equal(now.train.tensors[0], then.train.tensors[0]) and torch.equal(now.test.tensors[1], then.test.tensors[1])
     with pytest.raises(ConfigError, match=r"names no reader \(data._target_\) and no known data.source \('mnist'\)"):
         build_data(OmegaConf.create({**earlier, "source": "mnist"}), seed=0)

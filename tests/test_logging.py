@@ -19,7 +19,8 @@ from framework.errors import ResourceError
 from framework.logger import CSVLogger, TensorBoardLogger
 
 # The group TensorBoard opens on, in the order it shows the cards.
-OVERVIEW = ["overview/loss/train", "overview/loss/val", "overview/metric/val/acc", "overview/optimizer/lr",
+OVERVIEW = ["overview/loss/train", "overview/loss/val", "overview/metric/val/acc", "overview/metric/val/acc_top5",
+            "overview/metric/val/f1", "overview/optimizer/lr",
             "overview/system/memory_peak_mb", "overview/system/samples_per_second"]
 
 
@@ -68,7 +69,7 @@ def test_tensorboard_opens_on_the_overview_and_keeps_hparams_out_of_the_charts(t
     assert min(tag.split("/")[0] for tag in every) == "overview"
     assert sorted(tag for tag in every if tag.startswith("overview/")) == OVERVIEW
     # Every chart is a curve but the test split's, scored once; the hparams metrics are the curves' last values.
-    assert sorted(tag for tag in tags["scalars"] if len(events.Scalars(tag)) == 1) == ["test/acc", "test/loss"]
+    assert sorted(tag for tag in tags["scalars"] if len(events.Scalars(tag)) == 1) == ["test/acc", "test/acc_top5", "test/f1", "test/loss"]
     assert not any(tag.startswith("hparam") for tag in every)
     # CUSTOM SCALARS: train and val loss in one chart, then the monitored metric, lr, throughput and memory.
     [config] = events.Tensors("custom_scalars__config__")

@@ -226,10 +226,10 @@ def test_doctor_on_cpu_without_gputil_writes_every_section(train, monkeypatch, c
 
 def test_doctor_advice_names_config_keys_that_exist(tmp_path):
     bench = make_bench(tmp_path, "troubleshoot.inject_oom_above_batch=40")
-    x, y = doctor_module.first_batch(bench)
+    batch = doctor_module.first_batch(bench)
     fit = doctor_module.largest_batch(bench, 256)
     configured, bench.step.micro_batch = bench.step.micro_batch, 32  # the doctor's steps run backed off
-    checks = doctor_module.static_checks(bench, x, y, fit, configured)
+    checks = doctor_module.static_checks(bench, batch, fit, configured)
     checks.append(doctor_module.mixed_precision_check(bench.cfg))  # the check a CUDA run adds
     advice = {c["check"]: c["detail"] for c in checks}
     assert "or set trainer.accumulate_grad_batches=2" in advice["the configured micro-batch fits"]
@@ -264,20 +264,20 @@ def test_largest_batch_probe_restores_all_state(tmp_path):
 
 def test_leak_check_flags_a_loss_summed_with_its_graph_and_passes_the_framework_step(tmp_path):
     bench = make_bench(tmp_path, "model.width=256")
-    x, y = doctor_module.first_batch(bench)
-    val_x, val_y = bench.setup.data.val.x[:64], bench.setup.data.val.y[:64]
+    batch = doctor_module.first_batch(bench)
+    val_x, val_y = (tensor[:64] for tensor in bench.setup.data.val.tensors)
     running_val_loss = torch.zeros(())
 
     def leaky_step():
         nonlocal running_val_loss
-        doctor_module.train(bench, x, y)
+        doctor_module.train(bench, batch)
         # The classic mistake: a metric computed without no_grad and summed as a tensor, so
         # every step's graph and the activations it saved stay alive.
         running_val_loss = running_val_loss + F.cross_entropy(bench.model(val_x), val_y)
 
     leaky = doctor_module.leak_check(leaky_step, bench.env.device, 6)
     assert leaky["leak"] and leaky["growth_mb"] > 0.25 and leaky["likely_causes"]
-    clean = doctor_module.leak_check(lambda: doctor_module.train(bench, x, y), bench.env.device, 6)
+    clean = doctor_module.leak_check(lambda: doctor_module.train(bench, batch), bench.env.device, 6)
     assert not clean["leak"] and abs(clean["growth_mb"]) < 0.25
 
 

@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from framework.errors import ConfigError
+from framework.objective import ComputesOwnLoss
 from framework.parallel import Environment, Mode, resolve_device
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,9 @@ def check_boundaries(boundaries: Sequence[int], layers: int, stages: int) -> Non
 def stage_boundaries(model: nn.Module, stages: int, explicit: Sequence[int]) -> List[int]:
     """Where to cut ``model``: ``explicit`` if given, else balanced by parameter count."""
     name = type(model).__name__
+    if isinstance(model, ComputesOwnLoss):
+        raise ConfigError(f"parallel=model cannot pipeline a model that computes its own loss from the whole batch "
+                          f"({type(model.module).__name__}.loss, objective=model_loss); use parallel=ddp.")
     if not isinstance(model, nn.Sequential) or type(model).forward is not nn.Sequential.forward:
         raise ConfigError(f"parallel=model needs an nn.Sequential-like model whose forward just chains its children, "
                           f"but {name} is not one; use parallel=ddp, or build the model as an nn.Sequential of stages.")
@@ -91,6 +95,9 @@ class Pipeline(nn.Module):
                             for start, end, device in zip(edges, edges[1:], self.devices))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise ConfigError(f"parallel=model pipelines one input tensor, cut into micro-batches along its first "
+                              f"dimension, but this batch's inputs are a {type(x).__name__}; use parallel=ddp.")
         chunks = list(x.chunk(self.microbatches))
         for tick in range(len(chunks) + len(self.stages) - 1):
             # Stage s takes micro-batch tick - s, which stage s - 1 finished on the previous tick.

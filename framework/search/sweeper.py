@@ -142,16 +142,42 @@ class StudySweeper(Sweeper):
                               "(Hydra's basic sweeper) or hydra/sweeper=optuna.")
         if not 0.0 <= self.max_failure_rate <= 1.0:
             raise ConfigError(f"hydra.sweeper.max_failure_rate={self.max_failure_rate} is invalid; use a fraction from 0 to 1.")
-        if any(direction not in DIRECTIONS for direction in self.directions):
-            raise ConfigError(f"hydra.sweeper.direction={self.directions} is invalid; use minimize or maximize, "
+        if any(direction not in (*DIRECTIONS, "auto") for direction in self.directions):
+            raise ConfigError(f"hydra.sweeper.direction={self.directions} is invalid; use auto, minimize or maximize, "
                               "or a list of them, one per objective.")
         objectives = as_list(self.config.get("optimized_metric")) if "optimized_metric" in self.config else None
+        if objectives is not None and len(self.directions) == 1 and len(objectives) > 1 and self.directions == ["auto"]:
+            self.directions = self.directions * len(objectives)
         if objectives is not None and len(objectives) != len(self.directions):
             raise ConfigError(f"optimized_metric={objectives} has {len(objectives)} metrics but hydra.sweeper.direction="
                               f"{self.directions} has {len(self.directions)} directions; give one direction per metric.")
+        self.directions = self.metric_directions(objectives)
         if self.pruner is not None and (self.storage is None or len(self.directions) > 1 or not self.runlab_app):
             raise ConfigError("a pruner needs a stored study with one objective, which runlab's run.py reports to "
                               "every epoch; drop hydra/sweeper/pruner, or set hydra.sweeper.storage and one direction.")
+
+    def metric_directions(self, objectives: Optional[List[str]]) -> List[str]:
+        """hydra.sweeper.direction with auto read as each optimized metric's own direction (the objective
+        says whether lower or higher is better); a direction that contradicts it is refused."""
+        if not self.runlab_app:
+            if "auto" in self.directions:
+                raise ConfigError("hydra.sweeper.direction=auto needs runlab's run.py, whose objective knows each "
+                                  "metric's direction; give minimize or maximize.")
+            return self.directions
+        from framework.config import known_metrics
+
+        known = known_metrics(self.config)
+        known[f"best/{self.config.checkpoint.monitor}"] = known.get(str(self.config.checkpoint.monitor))
+        resolved = []
+        for metric, direction in zip(objectives, self.directions):
+            wanted = {"min": "minimize", "max": "maximize"}.get(known.get(str(metric)))
+            if wanted and direction not in ("auto", wanted):
+                raise ConfigError(f"hydra.sweeper.direction={direction} does not fit optimized_metric={metric}, which is "
+                                  f"better {'lower' if wanted == 'minimize' else 'higher'}; use auto (or {wanted}).")
+            if not wanted and direction == "auto":
+                raise ConfigError(f"optimized_metric={metric} is not a metric of this run; choose one of {', '.join(known)}.")
+            resolved.append(wanted or direction)
+        return resolved
 
     def space_extension(self) -> Optional[Callable[[DictConfig, Any], None]]:
         """hydra.sweeper.custom_search_space: a function(cfg, trial) that suggests more parameters."""

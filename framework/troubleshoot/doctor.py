@@ -27,7 +27,8 @@ from omegaconf import DictConfig, open_dict
 
 from framework import parallel
 from framework.checkpoint import rng_state, set_rng_state
-from framework.data import eval_batches, train_batches
+from framework import batch as batches
+from framework.data import collate_function, eval_batches, length, take, train_batches
 from framework.logger import Logger
 from framework.model import count_parameters
 from framework.nonfinite import NonFiniteGuard
@@ -76,28 +77,27 @@ def bench(cfg: DictConfig) -> Bench:
     nonfinite = NonFiniteGuard(cfg.trainer.on_nonfinite, str(cfg.trainer.precision), lambda: "")
     step = TrainStep.of(cfg, env, setup, nonfinite, Logger())
     return Bench(cfg, setup, step,
-                 train_batches(setup.data, cfg.data, env.device, cfg.seed, env.rank, env.world_size, env.output_device),
-                 eval_batches(setup.data.val, cfg.data, env.device, env.rank, env.world_size,
-                              target_device=env.output_device))
+                 train_batches(setup.data, cfg.data, env.device, cfg.seed, env.rank, env.world_size),
+                 eval_batches(setup.data.val, cfg.data, env.device, env.rank, env.world_size))
 
 
 def doctor(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:
     examined = bench(cfg)
-    x, y = first_batch(examined)
+    batch = first_batch(examined)
     report: Dict[str, Any] = {"environment": describe_environment()}
-    report["step_memory"] = step_memory(examined, x, y)
+    report["step_memory"] = step_memory(examined, batch)
     report["largest_batch"] = fit = largest_batch(examined, cfg.troubleshoot.max_probe_batch)
     configured = examined.step.micro_batch
     # The measurements below need steps that run: at the micro-batch training would back off to.
     examined.step.micro_batch = backed_off(configured, fit["largest_micro_batch"])
-    report["model"] = model_section(examined, x, y)
-    report["data_vs_compute"] = data_vs_compute(examined, x, y, cfg.troubleshoot.profile_steps) if fit["largest_micro_batch"] \
+    report["model"] = model_section(examined, batch)
+    report["data_vs_compute"] = data_vs_compute(examined, batch, cfg.troubleshoot.profile_steps) if fit["largest_micro_batch"] \
         else skipped("not even one sample per step fits")
     if fit["largest_micro_batch"]:
         with preserved(examined):
-            report["leak_check"] = leak_check(lambda: train(examined, x, y), examined.env.device,
+            report["leak_check"] = leak_check(lambda: train(examined, batch), examined.env.device,
                                               cfg.troubleshoot.leak_check_steps)
-        report["static_checks"] = static_checks(examined, x, y, fit, configured)
+        report["static_checks"] = static_checks(examined, batch, fit, configured)
     else:
         report["leak_check"], report["static_checks"] = skipped("not even one sample per step fits"), []
     text = render(report)
@@ -108,9 +108,9 @@ def doctor(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:
     return {}
 
 
-def train(examined: Bench, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def train(examined: Bench, batch: Any) -> torch.Tensor:
     """One training step, as the training loop takes it."""
-    return examined.step(x, y, 0, "a doctor's step")
+    return examined.step(batch, 0, "a doctor's step")
 
 
 def backed_off(micro_batch: int, largest: int) -> int:
@@ -135,8 +135,7 @@ def doctor_config(cfg: DictConfig) -> DictConfig:
 
 
 def first_batch(examined: Bench):
-    x, y = next(iter(examined.train_batches))
-    return x.to(examined.env.device), y.to(examined.env.output_device)
+    return batches.to_device(next(iter(examined.train_batches)), examined.env.device)
 
 
 @contextlib.contextmanager
@@ -161,11 +160,11 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def try_step(examined: Bench, x: torch.Tensor, y: torch.Tensor) -> str:
+def try_step(examined: Bench, batch: Any) -> str:
     """One training step; "" when it fit, else the out-of-memory message (other errors propagate)."""
     failure = ""
     try:
-        train(examined, x, y)
+        train(examined, batch)
         synchronize(examined.env.device)
     except (RuntimeError, MemoryError) as error:
         if not is_out_of_memory(error):
@@ -179,31 +178,31 @@ def try_step(examined: Bench, x: torch.Tensor, y: torch.Tensor) -> str:
 
 # --- sections ------------------------------------------------------------------------------
 
-def step_memory(examined: Bench, x: torch.Tensor, y: torch.Tensor) -> Dict[str, Any]:
+def step_memory(examined: Bench, batch: Any) -> Dict[str, Any]:
     """The peak of one real step at the configured batch, over what was held before it."""
     device = examined.env.device
     with preserved(examined):
         release_memory(device)
         before = torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else rss_mb()
         reset_peak(device)
-        failure = try_step(examined, x, y)
+        failure = try_step(examined, batch)
         peak = peak_mb(device)
-    section = {"batch_per_process": len(y), "micro_batch": examined.step.micro_batch, "fits": not failure,
+    section = {"batch_per_process": batches.size(batch), "micro_batch": examined.step.micro_batch, "fits": not failure,
                "measured_with": peak_kind(device), "before_mb": round(before, 2), "peak_mb": round(peak, 2),
                "step_mb": round(peak - before, 2)}
     if failure:
         section["error"] = failure
-    section["summary"] = (f"one step at batch {len(y)} (micro-batch {examined.step.micro_batch}) peaks at {peak:.1f} MB, "
+    section["summary"] = (f"one step at batch {batches.size(batch)} (micro-batch {examined.step.micro_batch}) peaks at {peak:.1f} MB, "
                           f"{peak - before:.1f} MB above the {before:.1f} MB held before it ({peak_kind(device)})"
-                          if not failure else f"one step at batch {len(y)} does not fit: {failure}")
+                          if not failure else f"one step at batch {batches.size(batch)} does not fit: {failure}")
     return section
 
 
-def model_section(examined: Bench, x: torch.Tensor, y: torch.Tensor) -> Dict[str, Any]:
+def model_section(examined: Bench, batch: Any) -> Dict[str, Any]:
     model = unwrap(examined.model)
     trainable, frozen = count_parameters(model)
     with preserved(examined):
-        try_step(examined, x, y)  # the optimizer allocates its state on the first step
+        try_step(examined, batch)  # the optimizer allocates its state on the first step
         sizes = model_memory(model, examined.setup.optimizer)
     activations = activation_mb_per_sample(examined.setup.spec, examined.setup.data.input_shape)
     section = {"class": examined.setup.spec["_target_"], "trainable_parameters": trainable, "frozen_parameters": frozen,
@@ -225,10 +224,10 @@ def largest_batch(examined: Bench, max_probe_batch: int) -> Dict[str, Any]:
     probes: List[Dict[str, Any]] = []
 
     def fits(n: int) -> bool:
-        index = torch.randint(len(split), (n,))
+        index = torch.randint(max(length(split), 1), (n,))
         examined.step.micro_batch = n
-        x, y = split.take(index)
-        failure = try_step(examined, x.to(device), y.to(examined.env.output_device))
+        batch = batches.to_device(take(split, index, collate_function(examined.cfg.data)), device)
+        failure = try_step(examined, batch)
         probes.append({"batch": n, "fits": not failure})
         return not failure
 
@@ -255,23 +254,23 @@ def largest_batch(examined: Bench, max_probe_batch: int) -> Dict[str, Any]:
     return section
 
 
-def data_vs_compute(examined: Bench, x: torch.Tensor, y: torch.Tensor, steps: int) -> Dict[str, Any]:
+def data_vs_compute(examined: Bench, batch: Any, steps: int) -> Dict[str, Any]:
     """Time the loader (fetch and move a batch) against a training step on one batch."""
-    device, batches = examined.env.device, examined.train_batches
+    device, loaded = examined.env.device, examined.train_batches
     started = time.perf_counter()
     fetched = 0
-    for bx, by in itertools.islice(batches, steps):
-        if not batches.on_device:
-            bx, by = bx.to(device), by.to(examined.env.output_device)
+    for each in itertools.islice(loaded, steps):
+        if not loaded.on_device:
+            batches.to_device(each, device)
         fetched += 1
     synchronize(device)
     load_s = (time.perf_counter() - started) / max(fetched, 1)
     with preserved(examined):
-        train(examined, x, y)  # warm-up: the first step allocates optimizer state
+        train(examined, batch)  # warm-up: the first step allocates optimizer state
         synchronize(device)
         started = time.perf_counter()
         for _ in range(steps):
-            train(examined, x, y)
+            train(examined, batch)
         synchronize(device)
         step_s = (time.perf_counter() - started) / steps
     verdict = "data-bound" if load_s > step_s else "compute-bound"
@@ -313,7 +312,7 @@ def leak_check(step: Callable[[], Any], device: torch.device, steps: int) -> Dic
     return section
 
 
-def static_checks(examined: Bench, x: torch.Tensor, y: torch.Tensor, fit: Dict[str, Any],
+def static_checks(examined: Bench, batch: Any, fit: Dict[str, Any],
                   configured_micro_batch: int) -> List[Dict[str, Any]]:
     """What the framework can verify by running its own loop once, with hooks watching the model."""
     seen: Dict[str, List[tuple]] = {"train": [], "eval": []}
@@ -326,7 +325,7 @@ def static_checks(examined: Bench, x: torch.Tensor, y: torch.Tensor, fit: Dict[s
     try:
         with preserved(examined):
             examined.model.train()
-            loss = train(examined, x, y)
+            loss = train(examined, batch)
             phase = "eval"
             # An eval batch no larger than the training batch that fits: the doctor itself must not run out.
             examined.step.eval_batch_size = min(examined.step.eval_batch_size, fit["largest_micro_batch"])

@@ -1,0 +1,125 @@
+"""The three examples that show runlab trains more than classifiers, each run as a user types it
+(a fresh copy of the repository, a subprocess, no override of a default path):
+
+- regression on scikit-learn's diabetes data (experiment=diabetes_regression);
+- a character-level language model that defines its own loss (experiment=char_lm);
+- a user's own package, examples/user_project: its Dataset of dict samples, model and loss.
+
+Each trains to better than a trivial predictor, resumes exactly after an interruption, trains
+under parallel=ddp as it does in one process, and runs as a 3-trial random search on its own metric.
+"""
+import csv
+import math
+import shlex
+import signal
+
+import pytest
+import torch
+import yaml
+
+from conftest import read_metrics
+from framework.checkpoint import load_checkpoint
+from test_faults import wait_for
+from test_parallel import running_losses
+
+QUICK = ["trainer.progress_bar=false"]
+USER_PROJECT = "PYTHONPATH=examples/user_project python run.py --config-dir examples/user_project/conf"
+# command, a small budget, the metric best.pt follows
+EXAMPLES = {
+    "diabetes_regression": ("python run.py experiment=diabetes_regression",
+                            ["trainer.max_epochs=40", "early_stopping.enabled=false"], "val/rmse"),
+    "char_lm": ("python run.py experiment=char_lm", ["data.max_chars=20000", "model.width=48", "trainer.max_epochs=4"],
+                "val/loss"),
+    "waves": (f"{USER_PROJECT} experiment=waves", ["data.num_samples=768", "trainer.max_epochs=4"], "val/mae"),
+}
+
+
+def typed(name: str, *overrides: str, multirun: bool = False) -> str:
+    command, budget, _ = EXAMPLES[name]
+    if multirun:
+        command = command.replace(" experiment=", " -m experiment=")
+    return " ".join([command, *map(shlex.quote, [*budget, *QUICK, *overrides])])
+
+
+def final_weights(run_dir):
+    return load_checkpoint(run_dir / "checkpoints" / "last.pt")["model"]
+
+
+def trained_better_than_a_trivial_predictor(name: str, metrics: dict) -> None:
+    if name == "diabetes_regression":
+        assert metrics["test/r2"] > 0.2 and metrics["test/rmse"] < 65  # predicting the mean: r2 0, rmse about 77
+    elif name == "char_lm":
+        vocabulary = len(set(open_text_prefix(20000)))
+        assert metrics["test/loss"] < 0.75 * math.log(vocabulary)  # a uniform guess: log(vocabulary) nats
+        assert metrics["test/perplexity"] == pytest.approx(math.exp(metrics["test/loss"]), rel=1e-6)
+    else:
+        assert metrics["test/mae"] < 0.3  # predicting the mean frequency and amplitude: about 0.7
+
+
+def open_text_prefix(chars: int) -> str:
+    from framework.data import read_text
+
+    return read_text("")[:chars]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, stop, workers", [
+    ("diabetes_regression", signal.SIGTERM, 0),
+    ("char_lm", signal.SIGTERM, 0),
+    ("waves", signal.SIGKILL, 2),  # kill -9, and batches from 2 DataLoader workers
+])
+def test_an_example_trains_and_resumes_exactly_after_an_interruption(user, tmp_path, name, stop, workers):
+    overrides = [f"name={name}_cut", f"data.num_workers={workers}"]
+    log = tmp_path / "first.log"
+    process = user.start(typed(name, *overrides), log)
+    wait_for(lambda: list(user.outputs.glob(f"{name}_cut/*/checkpoints/last.pt")), process, log)
+    process.send_signal(stop)
+    assert process.wait(timeout=60) == (128 + stop if stop == signal.SIGTERM else -stop), log.read_text()[-3000:]
+    resumed = user.run(typed(name, *overrides, "resume=auto"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resumed from" in resumed.stdout + resumed.stderr
+    whole = user.run(typed(name, f"name={name}_whole", f"data.num_workers={workers}"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    (cut,), (uninterrupted,) = user.runs(f"{name}_cut")[-1:], user.runs(f"{name}_whole")
+    for key, value in final_weights(uninterrupted).items():
+        assert torch.equal(final_weights(cut)[key], value), key
+    metrics, resumed_metrics = read_metrics(uninterrupted), read_metrics(cut)
+    scores = [key for key in metrics if key.startswith(("val/", "test/"))]
+    assert {key: resumed_metrics[key] for key in scores} == {key: metrics[key] for key in scores}
+    trained_better_than_a_trivial_predictor(name, metrics)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_an_example_trains_under_ddp_as_in_one_process(user, name):
+    same = ["logger=csv", "model.dropout=0.0" if name != "waves" else "data.noise=0.2"]
+    one = user.run(typed(name, "name=one", *same))
+    two = user.run(typed(name, "name=two", *same, "parallel=ddp", "parallel.world_size=2"))
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr + two.stderr)[-3000:]
+    (one_dir,), (two_dir,) = user.runs("one"), user.runs("two")
+    losses, expected = running_losses(two_dir), running_losses(one_dir)
+    assert len(losses) == len(expected) > 1
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-5)
+    monitor = EXAMPLES[name][2]
+    assert read_metrics(two_dir)[monitor] == pytest.approx(read_metrics(one_dir)[monitor], rel=1e-3)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, space", [
+    ("diabetes_regression", []),  # the shipped search space: lr, batch_size, model.width/depth, weight_decay
+    ("char_lm", []),
+    ("waves", ["~hydra.sweeper.params", "+hydra.sweeper.params.lr=tag(log, interval(1e-3, 1e-2))",
+               "+hydra.sweeper.params.model.hidden=choice(32, 64)"]),
+])
+def test_an_example_sweeps_on_its_own_metric_in_its_direction(user, name, space):
+    result = user.run(typed(name, "search=random", "hydra.sweeper.n_trials=3", "trainer.max_epochs=2", "logger=none",
+                            *space, multirun=True), timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (study,) = (user.outputs / name / "multirun").glob("*/optimization_results.yaml")
+    with open(study.parent / "trials.csv", newline="") as handle:
+        values = [float(row["value"]) for row in csv.DictReader(handle)]
+    assert len(values) == 3 and len(set(values)) == 3
+    # Every monitor of these examples is better lower: the best trial is the lowest (direction auto).
+    assert yaml.safe_load(study.read_text())["best_value"] == pytest.approx(min(values), rel=1e-6)
+    for trial in range(3):
+        assert EXAMPLES[name][2] in read_metrics(study.parent / str(trial))

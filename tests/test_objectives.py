@@ -1,0 +1,148 @@
+"""The objective group (framework/objective.py) and batches of any shape (framework/batch.py):
+losses and metrics checked against scikit-learn's, names checked before any work."""
+from collections import namedtuple
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from sklearn import metrics as sk
+
+from conftest import composed
+from framework import batch as batches
+from framework.config import known_metrics
+from framework.errors import ConfigError
+from framework.objective import Classification, ModelLoss, Multilabel, Regression, build_objective
+
+
+@dataclass
+class Pair:
+    signal: torch.Tensor
+    label: torch.Tensor
+
+
+Named = namedtuple("Named", "x y")
+
+
+@pytest.mark.parametrize("make", [
+    lambda x, y: (x, y),
+    lambda x, y: {"input": x, "target": y, "names": ["kept whole"]},
+    lambda x, y: Pair(x, y),
+    lambda x, y: Named(x, y),
+    lambda x, y: [{"a": x}, (y,)],
+])
+def test_a_batch_of_any_shape_is_split_moved_and_counted_leaf_by_leaf(make):
+    x, y = torch.arange(20.0).view(10, 2), torch.arange(10)
+    batch = make(x, y)
+    assert batches.size(batch) == 10
+    parts = batches.split(batch, 4)
+    assert [batches.size(part) for part in parts] == [4, 4, 2]
+    assert all(type(part) is type(batch) for part in parts)
+    leaves = [batches.tensors(part) for part in parts]
+    for whole, pieces in zip(batches.tensors(batch), zip(*leaves)):
+        assert torch.equal(torch.cat(pieces), whole)
+    if isinstance(batch, dict):
+        assert parts[2]["names"] == ["kept whole"]
+    moved = batches.to_device(batch, torch.device("meta"))
+    assert type(moved) is type(batch) and all(t.is_meta for t in batches.tensors(moved))
+
+
+def test_classification_reports_sklearns_accuracy_top_k_and_macro_f1_with_label_smoothing():
+    generator = torch.Generator().manual_seed(0)
+    logits, target = torch.randn(300, 7, generator=generator), torch.randint(7, (300,), generator=generator)
+    objective = Classification(output_size=7, label_smoothing=0.1, top_k=3)
+    for chunk in range(0, 300, 64):  # state accumulates across batches
+        objective.update(torch.nn.Identity(), (logits[chunk:chunk + 64], target[chunk:chunk + 64]))
+    found = objective.compute()
+    predicted = logits.argmax(1).numpy()
+    top3 = (logits.topk(3, dim=1).indices == target[:, None]).any(1).float().mean().item()
+    assert found["acc"] == pytest.approx(sk.accuracy_score(target, predicted), abs=1e-6)
+    assert found["acc_top3"] == pytest.approx(top3, abs=1e-6)
+    assert found["f1"] == pytest.approx(sk.f1_score(target, predicted, average="macro"), abs=1e-6)
+    expected = torch.nn.functional.cross_entropy(logits, target, label_smoothing=0.1).item()
+    assert found["loss"] == pytest.approx(expected, abs=1e-6)
+    assert set(found) == set(Classification.directions(composed("objective.top_k=3").objective))
+
+
+def test_multilabel_reports_sklearns_micro_f1_and_mean_average_precision():
+    generator = torch.Generator().manual_seed(1)
+    logits, target = torch.randn(200, 5, generator=generator), torch.randint(2, (200, 5), generator=generator)
+    objective = Multilabel(output_size=5, threshold=0.5)
+    objective.update(torch.nn.Identity(), (logits, target))
+    found = objective.compute()
+    assert found["f1"] == pytest.approx(sk.f1_score(target, (logits.sigmoid() > 0.5).int(), average="micro"), abs=1e-6)
+    assert found["map"] == pytest.approx(sk.average_precision_score(target, logits.sigmoid(), average="macro"), abs=1e-5)
+    assert found["loss"] == pytest.approx(torch.nn.functional.binary_cross_entropy_with_logits(logits, target.float()).item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("loss, reference", [("mse", torch.nn.functional.mse_loss), ("l1", torch.nn.functional.l1_loss),
+                                             ("huber", lambda o, t: torch.nn.functional.huber_loss(o, t, delta=2.0))])
+def test_regression_takes_one_output_per_target_and_reports_sklearns_mae_rmse_and_r2(loss, reference):
+    generator = torch.Generator().manual_seed(2)
+    target = torch.randn(100, generator=generator) * 3
+    outputs = (target + torch.randn(100, generator=generator))[:, None]  # a model's (N, 1) outputs
+    objective = Regression(output_size=1, loss=loss, huber_delta=2.0)
+    objective.update(torch.nn.Identity(), (outputs, target))
+    found = objective.compute()
+    assert found["loss"] == pytest.approx(reference(outputs[:, 0], target).item(), rel=1e-5)
+    assert found["mae"] == pytest.approx(sk.mean_absolute_error(target, outputs[:, 0]), rel=1e-5)
+    assert found["rmse"] == pytest.approx(np.sqrt(sk.mean_squared_error(target, outputs[:, 0])), rel=1e-5)
+    assert found["r2"] == pytest.approx(sk.r2_score(target, outputs[:, 0]), rel=1e-5)
+    with pytest.raises(ConfigError, match=r"outputs of shape \(100, 2\) do not match the targets' \(100,\)"):
+        objective.loss(torch.nn.Identity(), (torch.zeros(100, 2), target))
+
+
+class ScoresItself(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(()))
+
+    def loss(self, batch):
+        x, = batch
+        return (self.weight * x).mean(), {"double": 2 * x.mean()}
+
+
+def test_a_model_that_defines_its_loss_is_called_through_its_wrapper_and_its_values_are_weighted_by_batch_size():
+    objective = ModelLoss(metrics={"double": "min"}, perplexity=True)
+    model = objective.wrap(ScoresItself())
+    assert model.module.__class__ is ScoresItself  # parallel.unwrap and checkpoints see the model itself
+    objective.update(model, (torch.full((3,), 1.0),))
+    objective.update(model, (torch.full((1,), 5.0),))
+    found = objective.compute()
+    assert found == pytest.approx({"loss": 2.0, "double": 4.0, "perplexity": np.exp(2.0)})
+    with pytest.raises(ConfigError, match=r"returned the values \['double'\] but objective.metrics declares \[\]"):
+        ModelLoss(metrics={}, perplexity=False).loss(model, (torch.ones(2),))
+    with pytest.raises(ConfigError, match="objective=model_loss needs the model to define loss"):
+        objective.wrap(torch.nn.Linear(1, 1))
+
+
+def test_every_metric_a_run_reports_is_known_from_the_config_with_its_direction():
+    assert known_metrics(composed()) == {
+        "train/loss": "min", "val/loss": "min", "val/acc": "max", "val/acc_top5": "max", "val/f1": "max",
+        "test/loss": "min", "test/acc": "max", "test/acc_top5": "max", "test/f1": "max"}
+    regression = composed("experiment=diabetes_regression")
+    assert known_metrics(regression)["val/rmse"] == "min" and known_metrics(regression)["val/r2"] == "max"
+    assert regression.checkpoint.monitor == regression.early_stopping.monitor == regression.optimized_metric == "val/rmse"
+    built = build_objective(composed("objective=supervised", "objective.loss._target_=torch.nn.SmoothL1Loss",
+                                     "+objective.metrics.mae._target_=torchmetrics.MeanAbsoluteError").objective, 1)
+    assert isinstance(built.loss_fn, torch.nn.SmoothL1Loss) and built.metric_names == ["mae"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["checkpoint.monitor=test/acc"], "checkpoint.monitor='test/acc' is not a metric of every epoch of this run; "
+                                      "choose one of train/loss, val/loss, val/acc, val/acc_top5, val/f1."),
+    (["early_stopping.monitor=val/rmse"], "early_stopping.monitor='val/rmse' is not a metric of every epoch"),
+    (["checkpoint.monitor=val/loss", "checkpoint.mode=max"], "checkpoint.mode=max does not fit val/loss, which is "
+                                                             "better lower; use checkpoint.mode=auto (or min)."),
+    (["optimized_metric=val/r2"], "optimized_metric='val/r2' is not allowed; choose one of train/loss, val/loss"),
+    (["objective=regression", "objective.huber_delta=0"], "objective.huber_delta=0.0 is invalid"),
+])
+def test_a_monitor_or_objective_that_cannot_work_is_refused_before_any_work(train, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        train(*overrides)
+
+
+def test_any_val_metric_may_be_monitored_and_optimized_with_its_own_direction(train):
+    metrics, run_dir = train("checkpoint.monitor=val/f1", "optimized_metric=val/acc_top5", "trainer.max_epochs=2")
+    assert metrics["best/val/f1"] == max(metrics["val/f1"], metrics["best/val/f1"])
+    assert 0 < metrics["test/f1"] <= 1 and metrics["test/acc_top5"] >= metrics["test/acc"]
