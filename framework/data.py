@@ -63,9 +63,10 @@ def sample_input_shape(dataset: Dataset) -> Optional[Tuple[int, ...]]:
     """The shape of the first sample's input, when samples are (input, target) with a tensor input."""
     if isinstance(dataset, TensorDataset):
         return tuple(dataset.tensors[0].shape[1:])
-    if isinstance(dataset, IterableDataset) or not len(dataset):
-        return None
-    sample = dataset[0]
+    if isinstance(dataset, IterableDataset):
+        sample = next(iter(dataset), None)
+    else:
+        sample = dataset[0] if len(dataset) else None
     inputs = sample.get("input") if isinstance(sample, dict) else sample[0] if isinstance(sample, (tuple, list)) else None
     return tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else None
 

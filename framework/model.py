@@ -188,7 +188,7 @@ def accepted_keys(target: Any) -> Optional[set]:
     return {p.name for p in parameters}
 
 
-def model_spec(model_cfg: DictConfig, input_shape: Tuple[int, ...], num_classes: int) -> Dict[str, Any]:
+def model_spec(model_cfg: DictConfig, input_shape: Optional[Tuple[int, ...]], num_classes: int) -> Dict[str, Any]:
     """The full constructor call as a plain dict: saved in checkpoints so a model rebuilds from them alone.
 
     ``input_shape`` and ``num_classes`` come from the data unless the config sets them. With
@@ -196,7 +196,8 @@ def model_spec(model_cfg: DictConfig, input_shape: Tuple[int, ...], num_classes:
     user's constructor: those it does not accept are dropped, with a warning naming them.
     """
     spec = OmegaConf.to_container(model_cfg, resolve=True)
-    spec.setdefault("input_shape", list(input_shape))
+    if input_shape is not None:  # None: the data's inputs have no one shape (the model sizes itself)
+        spec.setdefault("input_shape", list(input_shape))
     spec.setdefault("num_classes", num_classes)
     accepted = accepted_keys(get_object(spec["_target_"]))
     if accepted is not None:

@@ -1,5 +1,6 @@
 """The objective group (framework/objective.py) and batches of any shape (framework/batch.py):
 losses and metrics checked against scikit-learn's, names checked before any work."""
+import json
 from collections import namedtuple
 from dataclasses import dataclass
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from sklearn import metrics as sk
 
-from conftest import composed
+from conftest import composed, read_metrics
 from framework import batch as batches
 from framework.config import known_metrics
 from framework.errors import ConfigError
@@ -146,3 +147,60 @@ def test_any_val_metric_may_be_monitored_and_optimized_with_its_own_direction(tr
     metrics, run_dir = train("checkpoint.monitor=val/f1", "optimized_metric=val/acc_top5", "trainer.max_epochs=2")
     assert metrics["best/val/f1"] == max(metrics["val/f1"], metrics["best/val/f1"])
     assert 0 < metrics["test/f1"] <= 1 and metrics["test/acc_top5"] >= metrics["test/acc"]
+
+
+# --- any data, end to end (in this process; tests/userdata.py is the user's package) ---------------
+
+USER_DATA = ["data=custom", "logger=csv"]
+
+
+@pytest.fixture
+def user_package(monkeypatch):
+    from conftest import REPO
+
+    monkeypatch.syspath_prepend(str(REPO / "tests"))
+
+
+def test_dict_samples_through_a_dataloader_train_exactly_as_the_same_tensors_in_memory(train, user_package):
+    pairs, pairs_dir = train(*USER_DATA, "data._target_=userdata.digits_as", "+data.kind=pairs")
+    tensors, tensors_dir = train("logger=csv")
+    for key in ("train/loss", "val/loss", "val/acc", "test/f1"):
+        assert pairs[key] == pytest.approx(tensors[key], abs=1e-6), key
+
+
+def test_an_out_of_memory_step_on_dict_batches_backs_off_and_keeps_the_trajectory(train, user_package):
+    dicts = [*USER_DATA, "data._target_=userdata.digits_as", "+data.kind=pairs", "trainer.max_epochs=2"]
+    metrics, _ = train(*dicts, "troubleshoot.inject_oom_above_batch=16")
+    reference, _ = train(*dicts, "trainer.accumulate_grad_batches=4")
+    assert metrics["troubleshoot/micro_batch"] == 16 and metrics["troubleshoot/oom_backoffs"] == 2
+    assert metrics["val/loss"] == pytest.approx(reference["val/loss"], abs=1e-6)
+
+
+def test_an_iterable_dataset_trains_and_one_without_a_length_is_refused_in_one_line(train, user_package):
+    stream, _ = train(*USER_DATA, "data._target_=userdata.digits_as", "+data.kind=stream", "trainer.max_epochs=2")
+    assert stream["step"] == 2 * (1257 // 64) and stream["val/acc"] > 0.5
+    with pytest.raises(ConfigError, match=r"the training set is a Stream, an IterableDataset without __len__; define "
+                                          r"__len__ \(its samples per process in an epoch\)"):
+        train(*USER_DATA, "data._target_=userdata.digits_as", "+data.kind=stream", "+data.sized=false")
+
+
+def test_multilabel_targets_train_with_their_own_metrics(train, user_package):
+    metrics, _ = train(*USER_DATA, "data._target_=userdata.tagged_blobs", "+data.num_samples=1200", "+data.labels=4",
+                       "+data.seed=0", "objective=multilabel", "lr=1e-2", "trainer.max_epochs=6")
+    assert metrics["test/map"] > 0.9 and metrics["test/f1"] > 0.8  # tags shift their feature by 3 noise units
+    assert "best/val/map" in metrics and "val/acc" not in metrics
+
+
+def test_a_regression_checkpoint_evaluates_with_its_metrics_and_exports_without_labels(train):
+    _, run_dir = train("experiment=diabetes_regression", "trainer.max_epochs=5")
+    scores, eval_dir = train("task=eval", f"ckpt={run_dir}")
+    assert set(scores) == {"test/loss", "test/mae", "test/rmse", "test/r2", "epoch", "step"}
+    assert scores["test/rmse"] == pytest.approx(read_metrics(run_dir)["test/rmse"], rel=1e-6)
+    _, export_dir = train("task=export", f"ckpt={run_dir}")
+    manifest = json.loads((export_dir / "artifact" / "manifest.json").read_text())
+    assert manifest["labels"] == [] and manifest["input_shape"] == [10]
+
+
+def test_a_model_computing_its_own_loss_cannot_be_pipelined_and_says_so(train):
+    with pytest.raises(ConfigError, match=r"parallel=model cannot pipeline a model that computes its own loss"):
+        train("experiment=char_lm", "data.max_chars=3000", "parallel=model", "parallel.devices=[cpu,cpu]")
