@@ -415,8 +415,6 @@ class BatchPlan:
 class InMemoryBatches:
     """The fast path: the tensors live on the device and a batch is one index operation."""
 
-    on_device = True
-
     def __init__(self, dataset: TensorDataset, plan: BatchPlan, device: torch.device):
         self.tensors, self.plan = tuple(tensor.to(device) for tensor in dataset.tensors), plan
 
@@ -484,12 +482,11 @@ def collate_function(cfg: DictConfig) -> Optional[Callable]:
 
 
 class StreamedBatches:
-    """The DataLoader path, for any map-style dataset: the same batches, in the same order, as the plan says."""
-
-    on_device = False
+    """The DataLoader path, for any map-style dataset: the same batches, in the same order, as the plan
+    says, each moved to the device (asynchronously from pinned memory) as it comes."""
 
     def __init__(self, dataset: Dataset, plan: BatchPlan, cfg: DictConfig, device: torch.device):
-        self.plan, self.dataset, self.seed = plan, dataset, plan.seed
+        self.plan, self.dataset, self.seed, self.device = plan, dataset, plan.seed, device
         tensors = isinstance(dataset, TensorDataset)
         self.follows_epoch = callable(getattr(dataset, "set_epoch", None))
         self.loader = DataLoader(_BatchedTensors(dataset) if tensors else dataset, batch_sampler=_IndexLists(plan),
@@ -509,14 +506,12 @@ class StreamedBatches:
         return len(self.plan)
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.loader)
+        return (batches.to_device(batch, self.device) for batch in self.loader)
 
 
 class IterableBatches:
     """An IterableDataset, batched by a DataLoader: the dataset shards itself across processes and
     workers (``torch.utils.data.get_worker_info``), and a resumed run skips the batches it trained on."""
-
-    on_device = False
 
     def __init__(self, dataset: IterableDataset, batch_size: int, cfg: DictConfig, device: torch.device, train: bool,
                  seed: int = 0):
@@ -544,7 +539,8 @@ class IterableBatches:
         return self.batches
 
     def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(iter(self.loader), self.start, self.batches or None)
+        return (batches.to_device(batch, self.device)
+                for batch in itertools.islice(iter(self.loader), self.start, self.batches or None))
 
 
 def fits_on_device(dataset: TensorDataset, device: torch.device, budget_mb: int) -> bool:

@@ -21,9 +21,8 @@ from omegaconf import DictConfig
 from framework.checkpoint import load_checkpoint, model_from_state, resolve_checkpoint_path
 from framework.config import checkpoint_config
 from framework.errors import ConfigError
-from framework import batch as batches
 from framework.data import build_data, eval_batches, length
-from framework.objective import Classification, Objective, build_objective, saved_objective
+from framework.objective import Objective, build_objective, saved_objective
 from framework.parallel import Environment, resolve_device
 from framework.step import Precision, evaluate
 
@@ -54,7 +53,7 @@ def evaluate_checkpoint(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:
     metrics = {f"{split}/{name}": value for name, value in scores.items()}
     log.info("%s at epoch %d, step %d, on %d %s samples: %s", path, state["epoch"], state["step"], length(data.split(split)),
              split, "  ".join(f"{name} {value:.6f}" for name, value in metrics.items()))
-    if isinstance(objective, Classification):
+    if objective.labels_outputs:
         by_class = class_accuracy(model, objective, split_batches, env, precision, state.get("classes") or data.classes)
         metrics.update({f"{split}/acc/{label}": acc for label, acc in by_class.items()})
         log.info("%s/acc by label: %s", split, "  ".join(f"{label} {acc:.4f}" for label, acc in by_class.items()))
@@ -70,7 +69,7 @@ def class_accuracy(model: torch.nn.Module, objective: Objective, split_batches, 
     """The accuracy on each class's samples, by label (a class without samples is left out)."""
     correct, total = torch.zeros(len(labels)), torch.zeros(len(labels))
     for batch in split_batches:
-        x, y = objective.inputs_and_target(batches.to_device(batch, env.device))
+        x, y = objective.inputs_and_target(batch)
         with precision.autocast():
             predicted = model(x).argmax(1).cpu()
         y = y.cpu()

