@@ -79,3 +79,27 @@ def set_submitit_executor(launcher, executor: str) -> None:
     """hydra-submitit-launcher picks submitit's executor ("slurm" or "local") by a class attribute,
     one per launcher class; runlab's one launcher picks it per instance."""
     launcher._EXECUTOR = executor
+
+
+def trial_id(trial) -> int:
+    """The storage's id of a trial (what ``record_heartbeat`` takes); Optuna 2.10 shows only its number."""
+    return trial._trial_id
+
+
+def heartbeat_ages(study) -> Dict[int, float]:
+    """Seconds since each RUNNING trial's last heartbeat, by the database's clock, by trial number
+    (trials without one left out). Optuna's only public use of them is ``fail_stale_trials``, which
+    fails a stale trial; runlab takes it over instead, with its number, run dir and checkpoint."""
+    from optuna.storages._rdb import models
+    from optuna.trial import TrialState
+    from sqlalchemy import func
+
+    session = study._storage.scoped_session()
+    try:
+        now = session.execute(func.now()).scalar().replace(tzinfo=None)
+        rows = (session.query(models.TrialModel.number, models.TrialHeartbeatModel.heartbeat)
+                .join(models.TrialHeartbeatModel, models.TrialHeartbeatModel.trial_id == models.TrialModel.trial_id)
+                .filter(models.TrialModel.study_id == study._study_id, models.TrialModel.state == TrialState.RUNNING).all())
+        return {number: (now - beat.replace(tzinfo=None)).total_seconds() for number, beat in rows}
+    finally:
+        session.close()

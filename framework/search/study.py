@@ -1,10 +1,15 @@
 """Where a sweep's Optuna study lives, and how its trials are counted; shared by driver and report."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import threading
+import warnings
+import zlib
 from pathlib import Path
-from typing import List
+from typing import Iterator, List, Optional
 
-from framework.search.private_apis import uncached
+from framework.search.private_apis import trial_id, uncached
 
 STUDY_FILE = "study.db"
 # A FAIL trial that never ran and does not count towards n_trials: a draw that repeated a tried
@@ -15,8 +20,91 @@ STOPPED = "stopped"
 
 
 def default_storage(sweep_dir: Path) -> str:
-    # sqlite waits up to a minute for a lock, so trials in other processes can write alongside the driver.
-    return f"sqlite:///{Path(sweep_dir).resolve() / STUDY_FILE}?timeout=60"
+    return with_lock_timeout(f"sqlite:///{Path(sweep_dir).resolve() / STUDY_FILE}")
+
+
+def with_lock_timeout(url: str) -> str:
+    """sqlite waits up to a minute for a lock (not its default 5 s), so that drivers and their trials,
+    in other processes, write alongside each other without "database is locked"."""
+    if not url.startswith("sqlite:") or "timeout=" in url:
+        return url
+    return f"{url}{'&' if '?' in url else '?'}timeout=60"
+
+
+@contextlib.contextmanager
+def study_lock(url: Optional[str], study_name: Optional[str]) -> Iterator[None]:
+    """Held by one driver of a study at a time, while it creates the storage (two drivers creating its
+    tables at once collide on alembic_version) or picks its next trials (two drivers could draw the
+    same configuration, or take over the same dead driver's trial). A dead driver's lock is freed
+    with its connection (PostgreSQL's advisory lock) or its file descriptor (sqlite's lock file)."""
+    if url is None:  # in memory: one driver
+        yield
+    elif url.startswith("postgresql"):
+        with postgres_advisory_lock(url, zlib.crc32(f"runlab:{study_name}".encode())):
+            yield
+    elif url.startswith("sqlite:"):
+        from sqlalchemy.engine import make_url
+
+        with open(f"{make_url(url).database}.lock", "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+    else:  # other databases: the drivers draw unserialized (the draws are still checked for repeats)
+        yield
+
+
+@contextlib.contextmanager
+def postgres_advisory_lock(url: str, key: int) -> Iterator[None]:
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+    try:
+        with engine.connect() as connection:
+            connection.execute(sqlalchemy.text("select pg_advisory_lock(:key)"), {"key": key})
+            try:
+                yield
+            finally:
+                connection.execute(sqlalchemy.text("select pg_advisory_unlock(:key)"), {"key": key})
+    finally:
+        engine.dispose()
+
+
+def rdb_storage(url: str, heartbeat_s: int, grace_s: int):
+    """The study's storage, recording the heartbeats of the trials this driver runs (call under study_lock:
+    the first driver creates the tables)."""
+    import optuna
+    from optuna.exceptions import ExperimentalWarning
+
+    with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna 2.10; stable since 3.0
+        warnings.simplefilter("ignore", ExperimentalWarning)
+        return optuna.storages.RDBStorage(url, heartbeat_interval=heartbeat_s, grace_period=grace_s)
+
+
+class Heartbeat:
+    """Records, every interval, that this driver still runs its trials: another driver takes over a
+    trial whose heartbeat is older than the grace period (its driver died)."""
+
+    def __init__(self, storage) -> None:
+        self.storage, self.trials, self.stop = storage, {}, threading.Event()
+        self.interval = None if storage is None else storage.get_heartbeat_interval()
+        if self.interval:
+            threading.Thread(target=self.beat_all, daemon=True, name="runlab-heartbeat").start()
+
+    def add(self, trial) -> None:
+        if self.interval:
+            self.storage.record_heartbeat(trial_id(trial))  # at once: a new trial must never look dead
+            self.trials[trial.number] = trial_id(trial)
+
+    def discard(self, trial) -> None:
+        self.trials.pop(trial.number, None)
+
+    def beat_all(self) -> None:
+        while not self.stop.wait(self.interval):
+            for identity in list(self.trials.values()):
+                with contextlib.suppress(Exception):  # a lost connection: the next beat tries again
+                    self.storage.record_heartbeat(identity)
+
+    def close(self) -> None:
+        self.stop.set()
 
 
 def never_ran(trial) -> bool:
@@ -39,6 +127,12 @@ def failed_trials(study) -> List:
     from optuna.trial import TrialState
 
     return [t for t in finished_trials(study) if t.state == TrialState.FAIL]
+
+
+def running_trials(study) -> List:
+    from optuna.trial import TrialState
+
+    return study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
 
 
 def load_sweep_study(sweep_dir: Path, study_name: str = ""):

@@ -8,10 +8,16 @@ with what that one lacks:
 - every trial is a normal run that can open the study and report each epoch, so the
   study's pruner can stop it (framework/search/trial.py);
 - the study is stored (sqlite in the sweep dir by default), so re-running the same command
-  continues it, without replaying it: the sampler's seed is derived from its ``seed`` and the
+  continues it, without replaying it: each draw's seed is derived from its ``seed`` and the
   trials already in the study, a draw that repeats a configuration already tried is not run,
-  and a trial the previous run left running is run again, once, with its own parameters
-  (continuing from the last.pt in its run dir);
+  and a trial a dead driver left running is run again, once, with its own number and parameters
+  (continuing from the last.pt in its run dir, where this machine has it);
+- any number of drivers can run the same command on one study (a PostgreSQL URL, for drivers on
+  several machines): ``n_trials`` counts the whole study, one driver at a time picks trials under
+  a lock (study.study_lock), each driver records a heartbeat for its running trials every
+  ``heartbeat_s``, and a RUNNING trial whose heartbeat is older than ``grace_s`` is a dead
+  driver's, taken over by a live one. Each driver ends when the whole study has, so each
+  prints the same report;
 - a trial that raises (a diverged or out-of-memory run included) or returns NaN is recorded as
   failed with its error, and the sweep goes on until more than ``max_failure_rate * n_trials``
   trials have failed;
@@ -22,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -35,10 +42,11 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from framework.errors import ConfigError, SweepError
-from framework.search.private_apis import (distribution_from_config, job_error, parse_sweep_overrides,
+from framework.search.private_apis import (distribution_from_config, heartbeat_ages, job_error, parse_sweep_overrides,
                                            trial_by_number, uncached)
 from framework.search.slots import BatchSlots, TrialSlots
-from framework.search.study import STOPPED, default_storage, failed_trials, finished_trials, run_trials
+from framework.search.study import (STOPPED, Heartbeat, default_storage, failed_trials, finished_trials, rdb_storage,
+                                    run_trials, running_trials, study_lock, with_lock_timeout)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +54,10 @@ OOM_MARKERS = ("out of memory", "can't allocate memory")
 DIRECTIONS = ("minimize", "maximize")
 # Draws in a row that repeat tried configurations before the space counts as exhausted.
 MAX_DRAWS = 30
+# Runs of a trial whose driver died: the first, and one more.
+MAX_RUNS = 2
+# Seconds between looks at the study while only other drivers' trials run.
+POLL_S = 1.0
 
 
 def describe_error(error: BaseException) -> str:
@@ -73,7 +85,8 @@ def as_list(value: Any) -> List[Any]:
 class StudySweeper(Sweeper):
     def __init__(self, sampler: Any, pruner: Any, direction: Any, storage: Optional[str], study_name: Optional[str],
                  n_trials: int, n_jobs: int, max_failure_rate: float, params: Optional[DictConfig],
-                 custom_search_space: Optional[str], export_dir: str, search_space: Optional[DictConfig] = None) -> None:
+                 custom_search_space: Optional[str], export_dir: str, search_space: Optional[DictConfig] = None,
+                 heartbeat_s: int = 10, grace_s: int = 60) -> None:
         self.sampler, self.pruner = sampler, pruner
         # Stock configs may hold optuna's Direction enum; runlab's hold the strings.
         self.directions = [str(getattr(d, "name", d)) for d in as_list(direction)]
@@ -81,6 +94,7 @@ class StudySweeper(Sweeper):
         self.n_trials, self.n_jobs, self.max_failure_rate = n_trials, max(1, n_jobs), max_failure_rate
         self.params, self.custom_search_space, self.export_dir = params, custom_search_space, export_dir
         self.deprecated_space = search_space
+        self.heartbeat_s, self.grace_s = heartbeat_s, grace_s
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config = config
@@ -98,35 +112,60 @@ class StudySweeper(Sweeper):
         extend_space = self.space_extension()
         space, fixed = self.search_space(arguments)
         study = self.open_study()
-        left = self.left_running(study, space)
         slots = self.launcher if isinstance(self.launcher, TrialSlots) else BatchSlots(self.launcher)
+        heartbeat = Heartbeat(self.rdb)
         allowed_failures = math.floor(self.max_failure_rate * self.n_trials)
         running: Dict[Any, Any] = {}  # launcher handle -> Optuna trial
-        exhausted = False
-        while True:
-            # Keep n_jobs trials in flight: a slot freed by a short (pruned, failed) trial gets the
-            # next one at once instead of waiting for the slowest trial of a batch.
-            unstarted = self.n_trials - len(finished_trials(study)) - len(running)
-            for _ in range(min(self.n_jobs - len(running), unstarted)):
-                rerun = bool(left)
-                trial = left.pop(0) if rerun else self.draw(study, space, extend_space)
-                if trial is None:
-                    exhausted = True
+        self.exhausted = False
+        try:
+            while True:
+                with study_lock(self.storage, study.study_name):
+                    for trial, rerun in self.next_trials(study, space, extend_space, self.n_jobs - len(running), heartbeat):
+                        running[slots.submit(self.trial_overrides(trial, fixed, rerun), trial.number)] = trial
+                if running:
+                    handle, result = slots.next_finished(list(running))
+                    trial = running.pop(handle)
+                    heartbeat.discard(trial)
+                    self.record(study, trial, result)
+                elif not running_trials(study):
                     break
-                running[slots.submit(self.trial_overrides(trial, fixed, rerun), trial.number)] = trial
-            if not running:
-                break
-            handle, result = slots.next_finished(list(running))
-            self.record(study, running.pop(handle), result)
-            if len(failed_trials(study)) > allowed_failures:
-                slots.cancel(list(running))
-                self.mark_stopped(list(running.values()), "the sweep stopped on too many failures")
-                self.finish(study)
-                raise SweepError(self.failure_summary(study, allowed_failures))
-        if exhausted:
+                else:  # only other drivers' trials run: the report waits for them (or their drivers' death)
+                    time.sleep(POLL_S)
+                if len(failed_trials(study)) > allowed_failures:
+                    slots.cancel(list(running))
+                    self.mark_stopped(list(running.values()), "the sweep stopped on too many failures")
+                    self.finish(study)
+                    raise SweepError(self.failure_summary(study, allowed_failures))
+        finally:
+            heartbeat.close()
+        if self.exhausted:
             log.warning("The search space has no untried configuration left (%d draws in a row repeated tried "
                         "ones); the sweep ends with %d trials.", MAX_DRAWS, len(finished_trials(study)))
         self.finish(study)
+
+    def next_trials(self, study, space: Dict[str, Any], extend_space: Optional[Callable], slots: int,
+                    heartbeat: Heartbeat) -> List[Tuple]:
+        """Up to ``slots`` trials to start, each with whether it runs again: first the trials dead drivers
+        left running, then new draws while the study (all drivers' trials) has fewer than n_trials.
+        Each gets its first heartbeat at once, before the study lock is released."""
+        started = []
+        unstarted = self.n_trials - len(finished_trials(study)) - len(running_trials(study))
+        for _ in range(slots):
+            trial = self.take_over(study, space)
+            if trial is not None:
+                heartbeat.add(trial)
+                started.append((trial, True))
+                continue
+            if unstarted <= 0 or self.exhausted:
+                break
+            trial = self.draw(study, space, extend_space)
+            if trial is None:
+                self.exhausted = True
+                break
+            heartbeat.add(trial)
+            started.append((trial, False))
+            unstarted -= 1
+        return started
 
     def finish(self, study) -> None:
         from framework.search.report import write_report
@@ -140,6 +179,9 @@ class StudySweeper(Sweeper):
         if isinstance(self.sampler, functools.partial):  # GridSampler needs the space up front
             raise ConfigError("hydra/sweeper/sampler=grid is not supported by hydra/sweeper=runlab; use search=grid "
                               "(Hydra's basic sweeper) or hydra/sweeper=optuna.")
+        if not 1 <= self.heartbeat_s < self.grace_s:
+            raise ConfigError(f"hydra.sweeper.heartbeat_s={self.heartbeat_s} and grace_s={self.grace_s} are invalid; "
+                              "use whole seconds, heartbeat_s at least 1 and grace_s longer than it (e.g. 10 and 60).")
         if not 0.0 <= self.max_failure_rate <= 1.0:
             raise ConfigError(f"hydra.sweeper.max_failure_rate={self.max_failure_rate} is invalid; use a fraction from 0 to 1.")
         if any(direction not in (*DIRECTIONS, "auto") for direction in self.directions):
@@ -219,25 +261,29 @@ class StudySweeper(Sweeper):
     def open_study(self):
         import optuna
 
+        # Optuna's own handler colours its lines with ANSI codes: its messages go through Hydra's logging instead.
+        optuna.logging.disable_default_handler()
+        optuna.logging.enable_propagation()
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
-        if self.storage == "":
-            self.storage = default_storage(self.sweep_dir)
+        self.storage = default_storage(self.sweep_dir) if self.storage == "" else self.storage
+        self.storage = self.storage and with_lock_timeout(self.storage)
         try:
-            study = uncached(optuna.create_study(study_name=self.study_name, storage=self.storage, sampler=self.sampler,
-                                                 pruner=self.pruner, directions=self.directions, load_if_exists=True))
+            with study_lock(self.storage, self.study_name):
+                self.rdb = self.storage and rdb_storage(self.storage, self.heartbeat_s, self.grace_s)
+                study = uncached(optuna.create_study(study_name=self.study_name, storage=self.rdb, sampler=self.sampler,
+                                                     pruner=self.pruner, directions=self.directions, load_if_exists=True))
         except ValueError as error:  # the stored study has other directions
             raise ConfigError(f"hydra.sweeper.direction={self.directions} does not fit the stored study "
                               f"{self.study_name!r} ({error}); keep its directions, or start a new study with "
                               "another hydra.sweeper.study_name.") from None
-        study.sampler = self.continued_sampler(study)
         # Trials run in their own processes and build the pruner from this attribute.
         pruner_cfg = self.config.hydra.sweeper.pruner
         study.set_user_attr("pruner", OmegaConf.to_container(pruner_cfg, resolve=True) if pruner_cfg else None)
         if "optimized_metric" in self.config:  # the report names the objectives' columns after them
             study.set_user_attr("objectives", [str(name) for name in as_list(self.config.optimized_metric)])
-        log.info("Study %r in %s: %d of %d trials done; sampler %s, pruner %s.", study.study_name,
-                 self.storage or "memory", len(finished_trials(study)), self.n_trials, type(study.sampler).__name__,
-                 type(self.pruner).__name__ if self.pruner else "none")
+        log.info("Study %r in %s: %d of %d trials done, %d running; sampler %s, pruner %s.", study.study_name,
+                 self.storage or "memory", len(finished_trials(study)), self.n_trials, len(running_trials(study)),
+                 type(study.sampler).__name__, type(self.pruner).__name__ if self.pruner else "none")
         if self.storage is None:
             log.warning("hydra.sweeper.storage is null: the study lives in memory only, so this sweep cannot be "
                         "resumed and its trials cannot report to it; the report is written when it ends.")
@@ -246,38 +292,50 @@ class StudySweeper(Sweeper):
                         "the command will not continue; name the study to resume it.", study.study_name)
         return study
 
-    def continued_sampler(self, study):
-        """The sampler, seeded for this run: a resumed study continues with new draws instead of
-        replaying the seed's sequence from its start (which repeats the first trials)."""
+    def seeded_sampler(self, count: int):
+        """The sampler for a draw in a study of ``count`` trials, seeded from its seed and that count: a
+        resumed study continues with new draws instead of replaying the seed's sequence from its start
+        (which repeats the first trials), and drivers sharing a study draw from different sequences."""
         from hydra.utils import instantiate
         import numpy as np
 
         sampler_cfg = self.config.hydra.sweeper.sampler
-        if not study.trials or sampler_cfg.get("seed") is None:
-            return study.sampler
-        seed = int(np.random.SeedSequence([sampler_cfg.seed, len(study.trials)]).generate_state(1)[0])
-        log.info("The study has %d trials: the sampler continues with seed %d, derived from seed %d and that count.",
-                 len(study.trials), seed, sampler_cfg.seed)
-        return instantiate(sampler_cfg, seed=seed)
+        if not count or sampler_cfg.get("seed") is None:
+            return self.sampler
+        return instantiate(sampler_cfg, seed=int(np.random.SeedSequence([sampler_cfg.seed, count]).generate_state(1)[0]))
 
-    def left_running(self, study, space: Dict[str, Any]) -> List:
-        """The trials an earlier run of this sweep left RUNNING (its driver was killed, or it stopped on
-        failures): each runs again, once, with its own parameters. One killed before its parameters
-        were drawn never ran; it is recorded so, and a new draw replaces it."""
+    def dead_trials(self, study) -> List:
+        """RUNNING trials no live driver runs: stopped by their driver, without a heartbeat (a study of an
+        earlier runlab; live drivers record one as they start a trial, under the study lock), or
+        with one older than grace_s (the driver was killed, or its machine died)."""
+        if self.rdb is None:
+            return []  # in memory: only this driver
+        ages = heartbeat_ages(study)
+        return [t for t in running_trials(study)
+                if t.user_attrs.get(STOPPED) or ages.get(t.number, math.inf) > self.grace_s]
+
+    def take_over(self, study, space: Dict[str, Any]) -> Optional[Any]:
+        """A dead driver's trial, to run again once with its own parameters (called under the study lock,
+        so that one driver takes it). One killed before its parameters were drawn never ran: it is
+        recorded so, and a new draw replaces it; one whose second run died too is failed."""
         from optuna.trial import TrialState
 
-        left = []
-        for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        for frozen in self.dead_trials(study):
             trial = trial_by_number(study, frozen.number)
+            runs = frozen.user_attrs.get("runs", 1)
             if not set(space) <= set(frozen.params):
                 trial.set_user_attr("interrupted", "before its parameters were drawn")
                 study.tell(trial, state=TrialState.FAIL)
-                continue
-            trial.set_user_attr(STOPPED, None)
-            log.warning("Trial %d did not finish in an earlier run of this sweep; it runs again with its parameters %s.",
-                        frozen.number, frozen.params)
-            left.append(trial)
-        return left
+            elif runs >= MAX_RUNS:
+                self.fail(study, trial, f"its driver stopped during each of its {runs} runs")
+            else:
+                why = frozen.user_attrs.get(STOPPED) or f"no heartbeat from its driver for over {self.grace_s} s"
+                log.warning("Trial %d did not finish (%s); it runs again with its parameters %s.",
+                            frozen.number, why, frozen.params)
+                trial.set_user_attr(STOPPED, None)
+                trial.set_user_attr("runs", runs + 1)
+                return trial
+        return None
 
     def draw(self, study, space: Dict[str, Any], extend_space: Optional[Callable]) -> Optional[Any]:
         """A new trial whose configuration no complete, pruned or running trial has; None when
@@ -286,6 +344,7 @@ class StudySweeper(Sweeper):
 
         tried = {configuration(t.params): t.number for t in run_trials(study) if t.state != TrialState.FAIL}
         for _ in range(MAX_DRAWS):
+            study.sampler = self.seeded_sampler(len(study.trials))
             trial = study.ask(space)
             if extend_space:
                 extend_space(self.config, trial)
@@ -299,7 +358,8 @@ class StudySweeper(Sweeper):
 
     @staticmethod
     def mark_stopped(trials: Sequence, why: str) -> None:
-        """The cancelled trials stay RUNNING, marked for the report; the next run of the sweep re-runs them."""
+        """The cancelled trials stay RUNNING, marked for the report and as dead for any driver (this sweep
+        run again, or another driver on its study), which re-runs them."""
         for trial in trials:
             trial.set_user_attr(STOPPED, why)
             log.warning("Trial %d was stopped (%s); it runs again when the sweep runs again.", trial.number, why)
@@ -319,6 +379,10 @@ class StudySweeper(Sweeper):
     def record(self, study, trial, result: JobReturn) -> None:
         from optuna.trial import TrialState
 
+        if not any(t.number == trial.number for t in running_trials(study)):
+            log.warning("Trial %d was taken over by another driver, which found no heartbeat from this one for over "
+                        "%d s (raise hydra.sweeper.grace_s); this run's result is dropped.", trial.number, self.grace_s)
+            return
         if result.hydra_cfg is not None:  # the report reads the run's config from here
             trial.set_user_attr("run_dir", str(result.hydra_cfg.hydra.runtime.output_dir))
         if result.status == JobStatus.FAILED:

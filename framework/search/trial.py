@@ -10,6 +10,7 @@ Either way the trial's number and swept values name the run in TensorBoard.
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
@@ -52,7 +53,11 @@ class SweepTrial(NoTrial):
         """Report this epoch's value; returns why the run should stop, or ""."""
         if self.metric not in metrics:
             return ""
-        self.trial.report(float(metrics[self.metric]), epoch)
+        with warnings.catch_warnings():
+            # A trial run again from its start (its driver died, and this machine has no checkpoint of it)
+            # reports its first epochs again; Optuna keeps the first values, and would warn about each.
+            warnings.filterwarnings("ignore", message="The reported value is ignored")
+            self.trial.report(float(metrics[self.metric]), epoch)
         if not self.trial.should_prune():
             return ""
         self.trial.set_user_attr("pruned_at_epoch", epoch)
