@@ -118,17 +118,19 @@ class Supervised(Objective):
 
     @staticmethod
     def inputs_and_target(batch: Any) -> Tuple[Any, torch.Tensor]:
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:  # first: every step asks
+            return batch[0], batch[1]
         if isinstance(batch, Mapping) and "input" in batch and "target" in batch:
             return batch["input"], batch["target"]
-        if isinstance(batch, (tuple, list)) and len(batch) == 2:
-            return batch[0], batch[1]
         raise ConfigError(f"a {type(batch).__name__} batch is neither (inputs, target) nor a dict with 'input' and "
                           "'target'; make the data's collate return one, or let the model compute its loss "
                           "(objective=model_loss).")
 
     def prepare(self, outputs: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Outputs and target as the loss and the metrics take them."""
-        return outputs, target.to(outputs.device, non_blocking=True)  # under parallel=model, the last stage's device
+        if target.device != outputs.device:  # under parallel=model: the last stage's device
+            target = target.to(outputs.device, non_blocking=True)
+        return outputs, target
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         inputs, target = self.inputs_and_target(batch)

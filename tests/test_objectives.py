@@ -209,3 +209,12 @@ def test_a_regression_checkpoint_evaluates_with_its_metrics_and_exports_without_
 def test_a_model_computing_its_own_loss_cannot_be_pipelined_and_says_so(train):
     with pytest.raises(ConfigError, match=r"parallel=model cannot pipeline a model that computes its own loss"):
         train("experiment=char_lm", "data.max_chars=3000", "parallel=model", "parallel.devices=[cpu,cpu]")
+
+
+def test_a_run_stops_its_dataloader_workers_when_it_ends(train, user_package):
+    """In a notebook the trainer is freed by the garbage collector, at some later time: its persistent
+    workers would live on until then, and stopping them there took seconds per worker."""
+    import multiprocessing
+
+    train(*USER_DATA, "data._target_=userdata.digits_as", "+data.kind=pairs", "data.num_workers=2", "trainer.max_epochs=1")
+    assert multiprocessing.active_children() == []
