@@ -13,34 +13,47 @@ CPU time (every thread of this process: TensorBoard's and the checkpoint writer'
   runlab bare      logger=none checkpoint.enabled=false trainer.progress_bar=false
   lightning ...    the same job in Lightning, bare and with its defaults, only if lightning is installed
 
+--loader dataloader times runlab's DataLoader path instead: the same splits as Samples, a plain
+map-style Dataset read one sample at a time and batched by the default collate, as a user's own
+Dataset is (a TensorDataset would take the in-memory path). runlab gets it from this file's
+digits_samples (data=custom), the hand-written loop from DataLoaders with --workers worker
+processes, kept between epochs as runlab keeps them; Lightning is left out. The CPU ratio counts
+this process, not its workers. After each way, outside the timings, the worker processes it left
+running are counted and collected, and any are reported.
+
 Early stopping is off in every runlab run so that all of them train every epoch. Usage:
     python benchmarks/step_overhead.py [--epochs 30] [--rounds 5] [--threads 1]
+    python benchmarks/step_overhead.py --loader dataloader [--workers 0]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib.util
 import io
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import framework  # noqa: E402
-from framework.data import load_digits_arrays  # noqa: E402
+from framework.data import DataBundle, digits, load_digits_arrays  # noqa: E402
 
 TARGETS = {"runlab defaults": 1.15, "runlab bare": 1.05}
 BARE = ["logger=none", "checkpoint.enabled=false", "trainer.progress_bar=false"]
 BATCH, LR, WEIGHT_DECAY, WIDTH, SEED = 64, 2e-3, 0.01, 256, 42  # experiment=digits_mlp's
+FACTORY = "benchmarks.step_overhead.digits_samples"  # this file, which Hydra imports as it would a user's package
 
 
 class TerminalSink(io.TextIOWrapper):
@@ -70,6 +83,19 @@ def digits_splits():
     return [(torch.from_numpy((x[i] - mean) / std), torch.from_numpy(y[i])) for i in parts]
 
 
+class Samples(Dataset):
+    """A map-style dataset of (input, label) pairs, read one sample at a time."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index], self.y[index]
+
+
 @torch.no_grad()
 def loss_and_accuracy(model, x, y):
     model.eval()
@@ -77,13 +103,18 @@ def loss_and_accuracy(model, x, y):
     return F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
 
 
-def hand_written(epochs: int) -> None:
-    torch.manual_seed(SEED)
-    (train_x, train_y), (val_x, val_y), (test_x, test_y) = digits_splits()
+def digits_mlp(epochs: int):
+    """experiment=digits_mlp's model, optimizer and schedule."""
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, WIDTH), torch.nn.ReLU(),
                                 torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, 10))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
+    return model, optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
+
+
+def hand_written(epochs: int) -> None:
+    torch.manual_seed(SEED)
+    (train_x, train_y), (val_x, val_y), (test_x, test_y) = digits_splits()
+    model, optimizer, schedule = digits_mlp(epochs)
     for epoch in range(epochs):
         model.train()
         order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(SEED + epoch))
@@ -97,7 +128,34 @@ def hand_written(epochs: int) -> None:
     loss_and_accuracy(model, test_x, test_y)
 
 
+def hand_written_loader(epochs: int, workers: int) -> None:
+    """The same loop over DataLoaders of Samples, as torch's tutorials write it."""
+    torch.manual_seed(SEED)
+    options = {"num_workers": workers, "persistent_workers": workers > 0}
+    train, val, test = (Samples(x, y) for x, y in digits_splits())
+    train = DataLoader(train, batch_size=BATCH, shuffle=True, drop_last=True, **options)
+    val, test = (DataLoader(split, batch_size=len(split), **options) for split in (val, test))
+    model, optimizer, schedule = digits_mlp(epochs)
+    for _ in range(epochs):
+        model.train()
+        for x, y in train:
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        schedule.step()
+        for x, y in val:
+            loss_and_accuracy(model, x, y)
+    for x, y in test:
+        loss_and_accuracy(model, x, y)
+
+
 # --- runlab ------------------------------------------------------------------------------
+
+def digits_samples() -> DataBundle:
+    """runlab's data for --loader dataloader: data=digits' own split and standardisation, each split as Samples."""
+    bundle = digits(normalize=True, val_fraction=0.15, test_fraction=0.15, split_seed=0)  # data=digits' defaults
+    return DataBundle(*(Samples(*bundle.split(name).tensors) for name in ("train", "val", "test")), classes=bundle.classes)
+
 
 def runlab(overrides: List[str], epochs: int, workdir: str) -> None:
     with output_discarded():
@@ -151,6 +209,18 @@ def lightning_ways(epochs: int, workdir: str) -> Dict[str, Callable[[], None]]:
                                           enable_model_summary=False)}
 
 
+def reap_leftovers() -> Tuple[int, float]:
+    """The worker processes a way left running, and the seconds the garbage collector took to stop them.
+
+    A DataLoader held in a reference cycle keeps its persistent workers after the run, and freeing it
+    from the collector waits out torch's 5 s join timeout for each. Collected here, outside the
+    timings, so that none of it lands in whichever way runs next."""
+    workers = len(multiprocessing.active_children())
+    started = time.perf_counter()
+    gc.collect()
+    return workers, time.perf_counter() - started
+
+
 def per_round(seconds: Dict[str, List[float]], name: str) -> List[float]:
     """Each round's time of ``name`` over the hand-written run's in that round: this machine's speed
     drifts from minute to minute, and neighbours in time share it."""
@@ -162,16 +232,24 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads; this MLP gains nothing from more")
+    parser.add_argument("--loader", choices=["memory", "dataloader"], default="memory",
+                        help="the data as tensors in memory, or a per-sample Dataset through DataLoaders")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (--loader dataloader)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     overrides = ["experiment=digits_mlp", "early_stopping.enabled=false", "device=cpu"]
+    hand, data = (lambda: hand_written(args.epochs)), "tensors in memory"
+    if args.loader == "dataloader":
+        overrides += ["data=custom", f"data._target_={FACTORY}", f"data.num_workers={args.workers}"]
+        hand, data = (lambda: hand_written_loader(args.epochs, args.workers)), f"DataLoaders, {args.workers} workers"
     with tempfile.TemporaryDirectory() as workdir:
-        ways = {"hand-written": lambda: hand_written(args.epochs),
+        ways = {"hand-written": hand,
                 "runlab defaults": lambda: runlab(overrides, args.epochs, workdir),
                 "runlab bare": lambda: runlab([*overrides, *BARE], args.epochs, workdir),
-                **lightning_ways(args.epochs, workdir)}
+                **(lightning_ways(args.epochs, workdir) if args.loader == "memory" else {})}
         times: Dict[str, List[float]] = {name: [] for name in ways}
         cpu: Dict[str, List[float]] = {name: [] for name in ways}
+        leftovers: Dict[str, Tuple[int, float]] = {}
         for round_ in range(args.rounds + 1):
             for name, way in ways.items():
                 started, started_cpu = time.perf_counter(), time.process_time()
@@ -179,8 +257,10 @@ def main() -> None:
                 if round_:  # round 0 warms up: imports, the first Hydra compose, allocator
                     times[name].append(time.perf_counter() - started)
                     cpu[name].append(time.process_time() - started_cpu)
+                if args.loader == "dataloader":
+                    leftovers[name] = reap_leftovers()
     median = {name: statistics.median(t) for name, t in times.items()}
-    print(f"digits_mlp, {args.epochs} epochs, whole runs: torch threads {torch.get_num_threads()}, "
+    print(f"digits_mlp, {args.epochs} epochs, {data}, whole runs: torch threads {torch.get_num_threads()}, "
           f"median of {args.rounds} rounds; x: the median of each round's ratio to the hand-written run beside it")
     print(f"  {'':<19} {'wall':>9}   {'x hand-written':>14}   {'range':>11}   {'cpu x':>6}")
     for name, seconds in median.items():
@@ -188,7 +268,11 @@ def main() -> None:
         target = f"   (target <= {TARGETS[name]:.2f}x)" if name in TARGETS else ""
         print(f"  {name:<19} {seconds:7.3f} s   {statistics.median(ratios):13.2f}x   {min(ratios):4.2f}-{max(ratios):4.2f}x"
               f"   {statistics.median(per_round(cpu, name)):5.2f}x{target}")
-    if not any(name.startswith("lightning") for name in median):
+    for name, (workers, seconds) in leftovers.items():
+        if workers:
+            print(f"  {name} left {workers} DataLoader workers running after it returned; the garbage collector "
+                  f"stopped them in {seconds:.1f} s, not counted above")
+    if args.loader == "memory" and not any(name.startswith("lightning") for name in median):
         print("  (lightning is not installed: no Lightning figures)")
 
 
