@@ -221,7 +221,9 @@ def test_median_pruner_stops_hopeless_trials_early(cli, user):
 
 @pytest.mark.timeout(400)
 def test_a_killed_sweep_resumes_without_replay_and_reruns_its_interrupted_trial(cli, user, tmp_path):
-    args = ["search=random", "hydra.sweeper.n_trials=5", "trainer.max_epochs=4", "early_stopping.enabled=false"]
+    # The killed driver's trial is taken over once it has had no heartbeat for grace_s.
+    args = ["search=random", "hydra.sweeper.n_trials=5", "trainer.max_epochs=4", "early_stopping.enabled=false",
+            "hydra.sweeper.heartbeat_s=1", "hydra.sweeper.grace_s=3"]
     driver = user.start(shlex.join(["python", "run.py", *TINY, *args]), tmp_path / "driver.log")
     directory = sweep_dir(user, "train_random")
     try:  # kill -9 once 2 trials are done and a third is mid-way, past its first checkpoint
@@ -245,7 +247,7 @@ def test_a_killed_sweep_resumes_without_replay_and_reruns_its_interrupted_trial(
     log = (directory / str(interrupted) / "train.log").read_text()
     assert "Resumed from" in log  # from the last.pt of its interrupted run, in its own run dir
     assert len(list(directory.glob("*/metrics.json"))) == 5
-    assert f"Trial {interrupted} did not finish in an earlier run of this sweep" in result.stdout
+    assert f"Trial {interrupted} did not finish (no heartbeat from its driver for over 3 s)" in result.stdout
 
 
 def drawn_running(directory: Path) -> bool:
@@ -346,7 +348,8 @@ def test_a_sweep_killed_on_a_token_ray_cluster_resumes_without_replay_and_record
     address, env = ray_cluster
     args = ["search=random", "launcher=ray_local", f"+hydra.launcher.ray.init.address={address}",
             "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2", "hydra.sweeper.max_failure_rate=0.5",
-            "trainer.max_epochs=4", "early_stopping.enabled=false", *NAN_IN_TRIAL_1]
+            "trainer.max_epochs=4", "early_stopping.enabled=false", "hydra.sweeper.heartbeat_s=1",
+            "hydra.sweeper.grace_s=3", *NAN_IN_TRIAL_1]
     driver = user.start(shlex.join(["python", "run.py", *TINY, *args]), tmp_path / "driver.log", env=env)
     directory = sweep_dir(user, "train_random")
     try:  # kill -9 once a trial has ended and another is running with its parameters drawn

@@ -10,6 +10,7 @@ import inspect
 import os
 import subprocess
 import sys
+import time
 
 import optuna
 import pytest
@@ -19,8 +20,9 @@ from optuna.distributions import CategoricalDistribution, LogUniformDistribution
 from optuna.trial import TrialState
 
 from conftest import REPO
-from framework.search.private_apis import (distribution_from_config, job_error, parse_sweep_overrides,
-                                           set_submitit_executor, trial_by_number, uncached)
+from framework.search.private_apis import (distribution_from_config, heartbeat_ages, job_error, parse_sweep_overrides,
+                                           set_submitit_executor, trial_by_number, trial_id, uncached)
+from framework.search.study import rdb_storage
 
 
 def test_an_uncached_study_sees_what_a_trial_process_wrote_to_a_trial_the_driver_created(tmp_path):
@@ -52,6 +54,22 @@ def test_trial_by_number_is_the_running_trial_with_its_params_and_can_be_told(tm
     told = study.trials[asked.number]
     assert (told.state, told.user_attrs) == (TrialState.FAIL, {"run_dir": "outputs/0"})
     assert study.trials[1].state == TrialState.RUNNING
+
+
+def test_heartbeat_ages_are_the_seconds_since_each_running_trials_last_heartbeat(tmp_path):
+    storage = rdb_storage(f"sqlite:///{tmp_path / 'study.db'}", heartbeat_s=1, grace_s=3)
+    study = uncached(optuna.create_study(study_name="study", storage=storage))
+    beating, silent, told = study.ask(), study.ask(), study.ask()
+    for trial in (beating, told):
+        storage.record_heartbeat(trial_id(trial))
+    study.tell(told, 0.5)
+    assert trial_id(beating) == storage.get_trial_id_from_study_id_trial_number(study._study_id, beating.number)
+
+    ages = heartbeat_ages(study)  # only RUNNING trials with a heartbeat, by number, by the database's clock
+    assert list(ages) == [beating.number] and 0 <= ages[beating.number] < 2
+    time.sleep(2.1)  # sqlite's clock counts whole seconds
+    assert heartbeat_ages(study)[beating.number] >= 1
+    assert silent.number not in heartbeat_ages(study)
 
 
 def test_job_error_is_the_exception_a_failed_job_raised_without_hydras_stderr_line(capsys):

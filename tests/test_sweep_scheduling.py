@@ -11,6 +11,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 from omegaconf import OmegaConf
 
+from framework.errors import ConfigError
 from framework.search.slots import TrialSlots
 from framework.search.study import STOPPED, load_sweep_study
 from framework.search.sweeper import StudySweeper, SweepError
@@ -76,6 +77,13 @@ def test_a_slot_freed_by_a_short_trial_gets_the_next_trial_at_once(tmp_path):
     # Trials 2 and 3 run in the slot trial 1 freed, while trial 0 still runs.
     assert sweeper.launcher.events == ["start 0", "start 1", "end 1", "start 2", "end 2", "start 3", "end 3", "end 0"]
     assert sweeper.launcher.now == 10
+
+
+def test_a_grace_period_no_longer_than_the_heartbeat_is_refused(tmp_path):
+    sweeper = scripted_sweeper(tmp_path, lengths=[1], n_jobs=1)
+    sweeper.heartbeat_s, sweeper.grace_s = 10, 10  # every live driver's trial would look dead
+    with pytest.raises(ConfigError, match="hydra.sweeper.heartbeat_s=10 and grace_s=10 are invalid"):
+        sweeper.sweep([])
 
 
 def test_never_more_than_n_trials_are_started(tmp_path):

@@ -149,7 +149,8 @@ class StudySweeper(Sweeper):
         left running, then new draws while the study (all drivers' trials) has fewer than n_trials.
         Each gets its first heartbeat at once, before the study lock is released."""
         started = []
-        unstarted = self.n_trials - len(finished_trials(study)) - len(running_trials(study))
+        # One read of the study: a trial another driver finishes between two reads would count in neither.
+        unstarted = self.n_trials - len(run_trials(study))
         for _ in range(slots):
             trial = self.take_over(study, space)
             if trial is not None:

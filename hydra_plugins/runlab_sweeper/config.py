@@ -55,6 +55,11 @@ class RunlabSweeperConf:
     n_trials: int = 20  # finished trials (complete, pruned or failed) the study should reach
     n_jobs: int = 1  # trials in flight at once; > 1 only helps with a parallel launcher (Ray, SLURM)
     max_failure_rate: float = 0.25  # of n_trials; one failure more and the sweep stops
+    # Many drivers on one study (the same command on several machines): each records a heartbeat for its
+    # running trials every heartbeat_s; a trial without one for grace_s is a dead driver's, and a live
+    # driver runs it again (once). A driver killed with kill -9 loses its trial for up to grace_s.
+    heartbeat_s: int = 10
+    grace_s: int = 60
     params: Optional[Dict[str, str]] = None  # the search space, in Hydra's override syntax
     # The dotted path of a function(cfg, trial) that suggests more parameters (as the stock sweeper's).
     custom_search_space: Optional[str] = None
