@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from typing import List, Sequence
 
 import optuna
@@ -108,6 +109,27 @@ def test_a_sweep_stopped_by_failures_cancels_its_running_trials_and_runs_them_ag
     resumed = load_sweep_study(tmp_path).trials
     assert [t.state.name for t in resumed] == ["COMPLETE", "FAIL", "COMPLETE", "COMPLETE"]
     assert resumed[0].params == trials[0].params and not resumed[0].user_attrs.get(STOPPED)
+
+
+class InterruptedSlots(ScriptedSlots):
+    def next_finished(self, handles):
+        raise KeyboardInterrupt
+
+
+def test_an_interrupted_driver_leaves_its_trials_to_the_next_driver_at_once(tmp_path):
+    sweeper = scripted_sweeper(tmp_path, lengths=[1, 1], n_jobs=2)
+    sweeper.launcher = InterruptedSlots([1, 1])
+    with pytest.raises(KeyboardInterrupt):
+        sweeper.sweep([])
+    assert [t.user_attrs[STOPPED] for t in load_sweep_study(tmp_path).trials] == ["its driver was interrupted"] * 2
+    # Well within the grace period of their last heartbeat, the next driver runs them again.
+    again = scripted_sweeper(tmp_path, lengths=[1, 1], n_jobs=2)
+    again.grace_s = 3600
+    started = time.monotonic()
+    again.sweep([])
+    assert time.monotonic() - started < 30
+    assert again.launcher.events == ["start 0", "start 1", "end 0", "end 1"]
+    assert [t.state.name for t in load_sweep_study(tmp_path).trials] == ["COMPLETE", "COMPLETE"]
 
 
 def test_a_resumed_study_draws_new_configurations_instead_of_replaying_its_seed(tmp_path):

@@ -136,6 +136,10 @@ class StudySweeper(Sweeper):
                     self.mark_stopped(list(running.values()), "the sweep stopped on too many failures")
                     self.finish(study)
                     raise SweepError(self.failure_summary(study, allowed_failures))
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C or SIGTERM (a trial's Interrupted exits)
+            # Marked dead at once: the next driver on the study need not wait grace_s to run them again.
+            self.mark_stopped(list(running.values()), "its driver was interrupted")
+            raise
         finally:
             heartbeat.close()
         if self.exhausted:
