@@ -1,6 +1,7 @@
 """Many drivers on one study: the same `python run.py search=tpe ...` started several times at once, on a
 sqlite study (one machine) and on a real PostgreSQL server (as on several machines), one of them
-killed with kill -9 mid-trial; and the storage created by two drivers at the same instant."""
+killed with kill -9 mid-trial, one on the Ray launcher beside a plain one; and the storage created by two
+drivers at the same instant."""
 from __future__ import annotations
 
 import contextlib
@@ -217,3 +218,18 @@ def test_two_drivers_creating_a_new_storage_at_the_same_instant_both_proceed(tmp
         assert driver.wait(timeout=120) == 0, driver.stderr.read()[-3000:]
     for url in urls:
         assert [s.study_name for s in optuna.get_all_study_summaries(url)] == ["race"]
+
+
+@pytest.mark.timeout(400)
+def test_a_ray_driver_and_a_plain_driver_share_one_study(user, tmp_path):
+    args = ["hydra.sweeper.n_trials=8", f"hydra.sweeper.study_name={STUDY}"]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    ray = ["launcher=ray_local", "+hydra.launcher.ray.init.num_cpus=1"]
+    drivers = [(user.start(shlex.join(["python", "run.py", *TINY, *args, *extra]), logs / f"{name}.log"),
+                logs / f"{name}.log") for name, extra in (("ray", ray), ("plain", []))]
+    outputs = finish(drivers)
+    sweep = user.outputs / "train" / "multirun" / STUDY
+    check_study(optuna.load_study(study_name=STUDY, storage=f"sqlite:///{sweep / 'study.db'}"), sweep, 8)
+    assert best_line(outputs[0]) == best_line(outputs[1])
+    assert all(" finished with " in output for output in outputs)  # each driver ran trials of the study
