@@ -25,7 +25,7 @@ import os
 import socket
 from datetime import datetime
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Set
 
 from omegaconf import OmegaConf
 
@@ -99,6 +99,21 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("runlab.study_dir", study_dir, use_cache=True)
 
 
+HELD_LOCKS: Set = set()  # the run.lock files this process holds open
+
+
+def _let_go_in_a_forked_child() -> None:
+    # A forked child (a DataLoader worker) shares the lock's open file, and an flock lasts while
+    # any process has it open: killed with kill -9, a run would look live until its orphaned
+    # workers noticed and exited. The child closes its copy; the parent's lock is untouched.
+    for handle in HELD_LOCKS:
+        handle.close()
+    HELD_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_let_go_in_a_forked_child)
+
+
 class RunLock:
     """Held by the process training in ``run_dir``, from set-up to the end of the run."""
 
@@ -119,10 +134,12 @@ class RunLock:
         self.handle.truncate()
         self.handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         self.handle.flush()
+        HELD_LOCKS.add(self.handle)
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.path.unlink(missing_ok=True)
+        HELD_LOCKS.discard(self.handle)
         self.handle.close()  # closing releases the flock
 
 

@@ -12,7 +12,9 @@ import math
 import re
 import shlex
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -229,6 +231,27 @@ def test_a_live_run_holds_its_lock_and_resume_auto_refuses_it(cli, user, tmp_pat
     live.send_signal(signal.SIGTERM)
     assert live.wait(timeout=60) == 143
     assert not (run_dir / "run.lock").exists()
+
+
+def test_a_killed_runs_lock_is_not_held_by_the_workers_it_forked(tmp_path):
+    """DataLoader workers are forked from the run: killed with kill -9, the run must read as dead at
+    once, not while its orphaned workers live on."""
+    from framework.paths import live_run
+
+    script = ("import os, sys, time\n"
+              "from framework.paths import RunLock\n"
+              "with RunLock(sys.argv[1]):\n"
+              "    if os.fork() == 0:\n"
+              "        time.sleep(30)\n"  # a worker that outlives its parent
+              "        os._exit(0)\n"
+              "    print('locked', flush=True)\n"
+              "    time.sleep(60)\n")
+    run = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert run.stdout.readline() == "locked\n"
+    assert live_run(tmp_path) == f"pid {run.pid} on {socket.gethostname()}"
+    run.kill()
+    run.wait(timeout=10)
+    assert live_run(tmp_path) is None  # the forked child still sleeps, holding no lock
 
 
 # --- errors a user can cause: one line, once ---------------------------------------------------
