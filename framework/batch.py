@@ -75,8 +75,3 @@ def split(batch: Any, micro_batch: int) -> List[Any]:
     apply(batch, cut)
     pieces = [iter(part) for part in parts]
     return [apply(batch, lambda _tensor, it=it: next(it)) for it in pieces]
-
-
-def index(batch: Any, indices: torch.Tensor) -> Any:
-    """The samples at ``indices`` of each tensor."""
-    return apply(batch, lambda tensor: tensor[indices])
