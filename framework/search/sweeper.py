@@ -312,12 +312,18 @@ class StudySweeper(Sweeper):
     def dead_trials(self, study) -> List:
         """RUNNING trials no live driver runs: stopped by their driver, without a heartbeat (a study of an
         earlier runlab; live drivers record one as they start a trial, under the study lock), or
-        with one older than grace_s (the driver was killed, or its machine died)."""
+        with one older than grace_s (the driver was killed, or its machine died), and no live process
+        in their run dir on this machine."""
         if self.rdb is None:
             return []  # in memory: only this driver
+        from framework.paths import live_run
+
         ages = heartbeat_ages(study)
+        # A run dir still locked by a live process is not dead, whatever its driver: a Ray worker (or
+        # a process the dead driver forked) may train on; running it again there would be refused.
         return [t for t in running_trials(study)
-                if t.user_attrs.get(STOPPED) or ages.get(t.number, math.inf) > self.grace_s]
+                if (t.user_attrs.get(STOPPED) or ages.get(t.number, math.inf) > self.grace_s)
+                and not live_run(self.sweep_dir / str(t.number))]
 
     def take_over(self, study, space: Dict[str, Any]) -> Optional[Any]:
         """A dead driver's trial, to run again once with its own parameters (called under the study lock,
