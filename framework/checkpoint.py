@@ -11,6 +11,7 @@ import os
 import pickle
 import random
 import shutil
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -271,7 +272,9 @@ def snapshot(value: Any) -> Any:
 
 
 class Checkpointer:
-    """Writes ``last.pt`` after every epoch and ``best.pt`` when the monitored metric improves.
+    """Writes ``last.pt`` after every validation and ``best.pt`` when the monitored metric improves;
+    also mid-epoch on a schedule of steps or minutes (``on_step``), so that a long epoch's work survives
+    a kill -9; ``keep_last`` keeps the newest writes as ``step-<step>.pt`` besides.
 
     The state is copied to CPU memory on the caller's thread and written to disk by one
     background thread, started at the first write and kept for the run, so the next epoch
@@ -279,9 +282,13 @@ class Checkpointer:
     flight at a time; ``wait`` finishes it and re-raises its error, if any.
     """
 
-    def __init__(self, directory: Path, monitor: str, mode: str, enabled: bool, is_writer: bool):
+    def __init__(self, directory: Path, monitor: str, mode: str, enabled: bool, is_writer: bool, *,
+                 every_n_steps: int = 0, every_minutes: float = 0.0, keep_last: int = 0):
         self.directory, self.enabled, self.is_writer = Path(directory), enabled, is_writer
         self.tracker = MetricTracker(monitor, mode)
+        self.every_n_steps, self.every_s, self.keep_last = every_n_steps, every_minutes * 60, keep_last
+        self.scheduled = enabled and is_writer and bool(every_n_steps or every_minutes)
+        self.written_at = time.monotonic()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._in_flight: Optional[Future] = None
 
@@ -296,10 +303,19 @@ class Checkpointer:
     def maybe_save(self, state: Callable[[], Dict[str, Any]], metrics: Dict[str, float]) -> None:
         # Every rank tracks the best value so all agree on it; only the writer touches disk.
         improved = self.tracker.improved(metrics)
-        if not (self.enabled and self.is_writer):
-            return
+        if self.enabled and self.is_writer:
+            self._submit(state, improved)
+
+    def on_step(self, state: Callable[[], Dict[str, Any]], step: int) -> None:
+        """Write last.pt mid-epoch when checkpoint.every_n_steps or checkpoint.every_minutes says so."""
+        if self.scheduled and ((self.every_n_steps and step % self.every_n_steps == 0)
+                               or (self.every_s and time.monotonic() - self.written_at >= self.every_s)):
+            self._submit(state, improved=False)
+
+    def _submit(self, state: Callable[[], Dict[str, Any]], improved: bool) -> None:
         copy = snapshot(state())
         self.wait()
+        self.written_at = time.monotonic()
         try:
             self._in_flight = self._writer.submit(self._write, copy, improved)
         except RuntimeError:  # no thread to be had (e.g. an address-space limit): write it here
@@ -320,6 +336,15 @@ class Checkpointer:
         save_checkpoint(state, self.last)
         if improved:
             atomic_link(self.last, self.best)
+        if self.keep_last:
+            self._keep_recent(state["step"])
+
+    def _keep_recent(self, step: int) -> None:
+        """Name the durable last.pt step-<step>.pt too; only then remove what keep_last no longer keeps."""
+        atomic_link(self.last, self.directory / f"step-{step}.pt")
+        kept = sorted(self.directory.glob("step-*.pt"), key=lambda path: int(path.stem.split("-")[1]))
+        for old in kept[:-self.keep_last]:
+            old.unlink(missing_ok=True)
 
     def wait(self) -> None:
         in_flight, self._in_flight = self._in_flight, None
@@ -334,25 +359,27 @@ class Checkpointer:
 
 
 class EarlyStopping:
-    """Stops training after ``patience`` epochs without an improvement of ``min_delta``."""
+    """Stops training after ``patience`` validations (epochs, unless trainer.val_every_n_steps validates by
+    steps) without an improvement of ``min_delta``."""
 
     def __init__(self, monitor: str, mode: str, patience: int, min_delta: float, enabled: bool):
         self.tracker, self.patience, self.enabled = MetricTracker(monitor, mode, min_delta), patience, enabled
-        self.bad_epochs = 0
+        self.bad_validations = 0
 
     def update(self, metrics: Dict[str, float]) -> bool:
-        """Record one epoch's metrics; True when training should stop."""
-        self.bad_epochs = 0 if self.tracker.improved(metrics) else self.bad_epochs + 1
+        """Record one validation's metrics; True when training should stop."""
+        self.bad_validations = 0 if self.tracker.improved(metrics) else self.bad_validations + 1
         return self.exhausted()
 
     def exhausted(self) -> bool:
-        return self.enabled and self.bad_epochs >= self.patience
+        return self.enabled and self.bad_validations >= self.patience
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"best": self.tracker.best, "bad_epochs": self.bad_epochs}
+        return {"best": self.tracker.best, "bad_validations": self.bad_validations}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.tracker.best, self.bad_epochs = state["best"], state["bad_epochs"]
+        # "bad_epochs": a checkpoint of a runlab that validated once per epoch
+        self.tracker.best, self.bad_validations = state["best"], state.get("bad_validations", state.get("bad_epochs"))
 
 
 def find_latest_checkpoint(search_dir: Path, exclude: Optional[Path]) -> Optional[Path]:

@@ -358,6 +358,7 @@ class TrainerConfig:
     gradient_clip_val: float = MISSING
     precision: Precision = MISSING
     log_every_n_steps: int = MISSING
+    val_every_n_steps: int = MISSING
     progress_bar: bool = MISSING
     deterministic: bool = MISSING
     test_after_fit: bool = MISSING
@@ -369,6 +370,9 @@ class CheckpointConfig:
     enabled: bool = MISSING
     monitor: str = MISSING
     mode: MonitorMode = MISSING
+    every_n_steps: int = MISSING
+    every_minutes: float = MISSING
+    keep_last: int = MISSING
 
 
 @dataclass
@@ -522,6 +526,7 @@ def validate(cfg: DictConfig) -> None:
     _validate_device(cfg.device)
     _validate_data(cfg.data)
     _validate_trainer(cfg.trainer)
+    _validate_checkpoint(cfg.checkpoint)
     _validate_parallel(cfg.parallel)
     _validate_troubleshoot(cfg.troubleshoot)
     for group in ("model", "optimizer", "data", "objective", "logger", "parallel"):
@@ -672,6 +677,15 @@ def _validate_trainer(trainer: DictConfig) -> None:
              f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches} is invalid; it must be at least 1.")
     _require(trainer.gradient_clip_val >= 0, f"trainer.gradient_clip_val={trainer.gradient_clip_val} is invalid; use 0 (off) or a positive norm.")
     _require(trainer.log_every_n_steps >= 1, f"trainer.log_every_n_steps={trainer.log_every_n_steps} is invalid; it must be at least 1.")
+    _require(trainer.val_every_n_steps >= 0,
+             f"trainer.val_every_n_steps={trainer.val_every_n_steps} is invalid; use 0 (once per epoch) or a positive count.")
+
+
+def _validate_checkpoint(checkpoint: DictConfig) -> None:
+    for key in ("every_n_steps", "keep_last"):
+        _require(checkpoint[key] >= 0, f"checkpoint.{key}={checkpoint[key]} is invalid; use 0 (off) or a positive count.")
+    _require(math.isfinite(checkpoint.every_minutes) and checkpoint.every_minutes >= 0,
+             f"checkpoint.every_minutes={checkpoint.every_minutes} is invalid; use 0 (off) or a positive number of minutes.")
 
 
 def _validate_parallel(parallel: DictConfig) -> None:

@@ -1,8 +1,9 @@
 """The training loop (conf/trainer/).
 
-``Trainer.fit`` reads top to bottom: epochs of optimizer steps, a validation pass, then the
-components (scheduler, early stopping, checkpointer, logger) each decide what to do with
-the epoch's metrics. Everything device- or process-specific goes through ``Environment``.
+``Trainer.fit`` reads top to bottom: epochs of optimizer steps, validation passes (at each epoch's
+end, and every ``trainer.val_every_n_steps`` steps), then the components (scheduler, early stopping,
+checkpointer, logger, the sweep's pruner) each decide what to do with the validation's metrics.
+Everything device- or process-specific goes through ``Environment``.
 """
 from __future__ import annotations
 
@@ -89,7 +90,9 @@ class Trainer:
         self.train_batches = train_batches(self.data, cfg.data, env.device, cfg.seed, env.rank, env.world_size)
         self.val_batches = eval_batches(self.data.val, cfg.data, env.device, env.rank, env.world_size)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.monitor,
-                                         monitor_mode(cfg, "checkpoint"), cfg.checkpoint.enabled, env.is_main)
+                                         monitor_mode(cfg, "checkpoint"), cfg.checkpoint.enabled, env.is_main,
+                                         every_n_steps=cfg.checkpoint.every_n_steps,
+                                         every_minutes=cfg.checkpoint.every_minutes, keep_last=cfg.checkpoint.keep_last)
         self.early_stopping = EarlyStopping(**{**cfg.early_stopping, "mode": monitor_mode(cfg, "early_stopping")})
         self.nonfinite = NonFiniteGuard(cfg.trainer.on_nonfinite, str(cfg.trainer.precision), self.finite_state_kept)
         self.trial = sweep_trial(cfg, self.run_dir, env.is_main)
@@ -97,7 +100,9 @@ class Trainer:
         self.train_step = TrainStep.of(cfg, env, setup, self.nonfinite, self.logger)
         self.memory = MemoryTracker(env.device, cfg.troubleshoot.memory_growth_epochs)
         self.epoch, self.step, self.batch_in_epoch = 0, 0, 0
-        self.metrics: Dict[str, float] = {}  # the last epoch's
+        self.validations = 0  # those on the schedule: what early stopping's patience and the pruner count
+        self.validated_at = -1  # the step of the last validation
+        self.metrics: Dict[str, float] = {}  # the last validation's
         self.stop_reason = ""
         self.resume()
 
@@ -139,8 +144,12 @@ class Trainer:
             return f"it reached trainer.max_steps={self.cfg.trainer.max_steps}"
         if self.early_stopping.exhausted():
             return f"early stopping ended it: {self.early_stopping.tracker.monitor} did not improve for " \
-                   f"{self.early_stopping.patience} epochs"
+                   f"{self.early_stopping.patience} {self.validation_unit}"
         return ""
+
+    @property
+    def validation_unit(self) -> str:
+        return "validations" if self.cfg.trainer.val_every_n_steps else "epochs"
 
     @functools.cached_property  # the loop asks every step, and reading the config costs more than the answer
     def max_steps(self) -> int:
@@ -160,6 +169,7 @@ class Trainer:
             "epoch": self.epoch,
             "step": self.step,
             "batch_in_epoch": self.batch_in_epoch,
+            "validations": self.validations,
             "checkpointer": self.checkpointer.state_dict(),
             "early_stopping": self.early_stopping.state_dict(),
             "metrics": self.metrics,
@@ -181,6 +191,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.train_step.load_state_dict(state)
         self.epoch, self.step, self.batch_in_epoch = state["epoch"], state["step"], state["batch_in_epoch"]
+        self.validations = state.get("validations", self.epoch)  # a checkpoint of a runlab that validated per epoch
         self.checkpointer.load_state_dict(state["checkpointer"])
         self.early_stopping.load_state_dict(state["early_stopping"])
         self.metrics = dict(state.get("metrics", {}))
@@ -216,7 +227,7 @@ class Trainer:
         # the host syncs only when a value is logged, not on every step.
         loss_sum = torch.zeros((), device=self.env.output_device)
         steps, window_start, window_time = 0, 0, time.perf_counter()
-        log_every = self.cfg.trainer.log_every_n_steps
+        log_every, val_every = self.cfg.trainer.log_every_n_steps, self.cfg.trainer.val_every_n_steps
         for index, batch in enumerate(self.train_batches, start=self.batch_in_epoch):  # on the device already
             loss = self.train_step(batch, self.step, self.position(self.step + 1))
             self.scheduler.after_step()
@@ -235,6 +246,13 @@ class Trainer:
                 if self.epoch + 1 < self.cfg.trainer.max_epochs or self.batch_in_epoch < len(self.train_batches):
                     self.stop_reason = f"reached trainer.max_steps={self.max_steps}"
                 break
+            # The epoch's last batch is validated by end_epoch; a validation writes last.pt anyway.
+            if val_every and self.step % val_every == 0 and self.batch_in_epoch < len(self.train_batches):
+                self.validate_mid_epoch(self.env.all_reduce_mean(loss_sum).item() / max(steps, 1), progress)
+                if self.stop_reason:  # early stopping or the pruner
+                    break
+            else:
+                self.checkpointer.on_step(self.state, self.step)
         if self.env.agree_to_stop(self.stop.requested, all_ranks_ask=True):
             self.interrupt()
         return self.env.all_reduce_mean(loss_sum).item() / max(steps, 1)
@@ -285,29 +303,53 @@ class Trainer:
             self.train_batches = self.val_batches = None
 
     def end_epoch(self, train_loss: float, progress: ProgressBar) -> None:
+        if self.validated_at == self.step:
+            return  # a validation mid-epoch stopped the run, and it logged and saved this very point
+        metrics = self.validation_metrics(train_loss)
+        # A run stopped by max_steps mid-epoch keeps its place in the epoch, so a resume
+        # continues with the next batch instead of replaying the epoch.
+        complete = self.batch_in_epoch >= len(self.train_batches)
+        if complete:
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+            self.scheduler.after_epoch()
+            self.logger.log_histograms(unwrap(self.model), self.epoch - 1)
+            self.memory.end_epoch(self.logger, self.step, self.train_step.sizes)
+        # The validation a max_steps stop adds mid-epoch is not on the schedule: an uninterrupted run would
+        # not make it, so early stopping and the pruner do not count it (a resume stays exact).
+        self.act_on_validation(metrics, progress, scheduled=complete)
+
+    def validate_mid_epoch(self, train_loss: float, progress: ProgressBar) -> None:
+        self.act_on_validation(self.validation_metrics(train_loss), progress, scheduled=True)
+        self.model.train()
+
+    def validation_metrics(self, train_loss: float) -> Dict[str, float]:
         val = self.train_step.evaluate(self.val_batches, self.step)
         metrics = {"train/loss": train_loss, **{f"val/{name}": value for name, value in val.items()}}
         # Broken weights must not reach a checkpoint: the last finite state stays on disk.
         self.nonfinite.check_validation(metrics, self.position(self.step), self.current_lr)
-        # A run stopped by max_steps mid-epoch keeps its place in the epoch, so a resume
-        # continues with the next batch instead of replaying the epoch.
-        if self.batch_in_epoch >= len(self.train_batches):
-            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-            self.scheduler.after_epoch()
+        return metrics
+
+    def act_on_validation(self, metrics: Dict[str, float], progress: ProgressBar, scheduled: bool) -> None:
+        """Each component decides what a validation means to it: early stopping and the pruner count those
+        on the schedule; the logs and the checkpointer take every one."""
+        self.validated_at = self.step
+        if scheduled:
+            self.validations += 1
             if self.early_stopping.update(metrics) and not self.stop_reason:
                 self.stop_reason = (f"early stopping: {self.early_stopping.tracker.monitor} did not improve "
-                                    f"for {self.early_stopping.patience} epochs")
+                                    f"for {self.early_stopping.patience} {self.validation_unit}")
         metrics["epoch"] = self.epoch
         self.logger.log_metrics(metrics, self.step)
-        self.logger.log_histograms(unwrap(self.model), self.epoch - 1)
-        self.memory.end_epoch(self.logger, self.step, self.train_step.sizes)
-        pruned = self.trial.report(metrics, self.epoch)
+        where = f"validation {self.validations} (step {self.step})" if self.cfg.trainer.val_every_n_steps \
+            else f"epoch {self.epoch}"
+        pruned = self.trial.report(metrics, self.validations, where)
         if pruned and not self.stop_reason:
             self.stop_reason = pruned
         self.metrics = metrics
         self.checkpointer.maybe_save(self.state, metrics)
-        progress.show({f"val_{name}": value for name, value in val.items()})
-        log.info("epoch %d  step %d  %s", self.epoch, self.step,
+        progress.show({name.replace("/", "_"): value for name, value in metrics.items() if name.startswith("val/")})
+        # Numbered as position() numbers steps: the epoch a mid-epoch validation falls in, else the one just ended.
+        log.info("epoch %d  step %d  %s", self.epoch + (self.batch_in_epoch > 0), self.step,
                  "  ".join(f"{name} {metrics[name]:.4f}" for name in metrics if name != "epoch"))
 
     def finish(self, train_seconds: float, steps_run: int) -> Dict[str, float]:

@@ -25,7 +25,7 @@ class NoTrial:
 
     number: Optional[int] = None  # the trial's (or job's) number in its sweep
 
-    def report(self, metrics: Mapping[str, float], epoch: int) -> str:
+    def report(self, metrics: Mapping[str, float], validation: int, where: str) -> str:
         return ""
 
     def hparams(self) -> Dict[str, Any]:
@@ -49,19 +49,20 @@ class SweepTrial(NoTrial):
         # cannot prune (the sweeper refuses a pruner then), so nothing is reported.
         self.metric = optimized_metric.removeprefix("best/") if isinstance(optimized_metric, str) else None
 
-    def report(self, metrics: Mapping[str, float], epoch: int) -> str:
-        """Report this epoch's value; returns why the run should stop, or ""."""
+    def report(self, metrics: Mapping[str, float], validation: int, where: str) -> str:
+        """Report the value of the run's ``validation``-th validation (its epoch, unless trainer.val_every_n_steps
+        validates by steps), made at ``where``; returns why the run should stop, or ""."""
         if self.metric not in metrics:
             return ""
         with warnings.catch_warnings():
             # A trial run again from its start (its driver died, and this machine has no checkpoint of it)
             # reports its first epochs again; Optuna keeps the first values, and would warn about each.
             warnings.filterwarnings("ignore", message="The reported value is ignored")
-            self.trial.report(float(metrics[self.metric]), epoch)
+            self.trial.report(float(metrics[self.metric]), validation)
         if not self.trial.should_prune():
             return ""
-        self.trial.set_user_attr("pruned_at_epoch", epoch)
-        return f"pruned by the sweep's {self.pruner_name} after epoch {epoch}"
+        self.trial.set_user_attr("pruned_at_epoch", validation)
+        return f"pruned by the sweep's {self.pruner_name} after {where}"
 
     def hparams(self) -> Dict[str, Any]:
         # The searched values, so every trial shows them in TensorBoard's HPARAMS tab.
