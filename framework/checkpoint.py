@@ -90,8 +90,8 @@ def written_checkpoint(run_dir: Path, kind: str) -> Optional[Path]:
 
 
 def read_pretrained(path: Path) -> Dict[str, Any]:
-    """A runlab checkpoint, or a plain state dict of tensors (e.g. another library's weights file),
-    read without unpickling code."""
+    """A runlab checkpoint with the model's weights and constructor call, or a plain state dict of
+    tensors (e.g. another library's weights file), read without unpickling code."""
     if path.suffix == ".safetensors":
         try:
             from safetensors.torch import load_file
@@ -103,7 +103,7 @@ def read_pretrained(path: Path) -> Dict[str, Any]:
             raise CheckpointError(f"{path} is not a readable safetensors file ({type(error).__name__}).") from None
     state = read_weights_only(path)
     if isinstance(state, dict) and state.get("format") == FORMAT:
-        return state
+        return checked_state(state, path, require=("model", "model_spec"))
     if isinstance(state, dict) and state and all(hasattr(v, "shape") for v in state.values()):
         return {"model": state}
     raise CheckpointError(f"{path} is neither a runlab checkpoint nor a state dict of tensors; finetune.from needs one of them.")
@@ -123,35 +123,92 @@ def resolve_checkpoint_path(path: str | Path) -> Path:
             return found
         raise CheckpointError(f"{path} is a directory without checkpoints/best.pt or checkpoints/last.pt, "
                               "and no run below it has one.")
+    if path.exists() and not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} is {file_kind(path)}, not a checkpoint file; give a checkpoint "
+                              "file or a run dir.")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist.")
     return path
 
 
+def file_kind(path: Path) -> str:
+    """What a path that is not a regular file is, in a few words."""
+    kinds = ((Path.is_fifo, "a named pipe (FIFO)"), (Path.is_socket, "a socket"), (Path.is_char_device, "a character device"),
+             (Path.is_block_device, "a block device"))
+    return next((name for test, name in kinds if test(path)), "not a regular file")
+
+
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6
+# torch.save's older format opens with a magic number pickled at protocol 2.
+LEGACY_MAGIC = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
 def read_weights_only(path: Path) -> Any:
-    """``torch.load`` with ``weights_only=True``: a file is untrusted input and must never run code."""
+    """``torch.load`` with ``weights_only=True``: a file is untrusted input and must never run code.
+    A file that is not in one of torch.save's formats is refused before it is read."""
+    with open(path, "rb") as handle:
+        head = handle.read(len(LEGACY_MAGIC))
+    if not (head.startswith(ZIP_MAGIC) or head == LEGACY_MAGIC):
+        raise CheckpointError(f"{path} is not a checkpoint file: {not_torch_file(head)}")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         refused = [line.strip() for line in str(error).splitlines() if "GLOBAL" in line]
         if refused:  # the file names Python code to run on unpickling: never ours, never executed
-            raise CheckpointError(f"{path} was refused and not executed: it is not a runlab checkpoint ({refused[0]}).") from None
+            raise CheckpointError(f"{path} was refused and not executed: it is a torch file whose pickle names code to "
+                                  f"run, not a runlab checkpoint ({refused[0]}).") from None
         raise CheckpointError(f"{path} is corrupt or truncated and cannot be read.") from None
     except Exception as error:
         raise CheckpointError(f"{path} is corrupt or truncated and cannot be read ({type(error).__name__}).") from None
 
 
-def load_checkpoint(path: str | Path, require: Sequence[str] = ()) -> Dict[str, Any]:
-    """A runlab checkpoint's dict, refused unless it holds every key in ``require``."""
-    path = resolve_checkpoint_path(path)
-    state = read_weights_only(path)
+def not_torch_file(head: bytes) -> str:
+    """What a file that torch.save did not write looks like, from its first bytes."""
+    if head[:1] == b"\x80":  # a pickle's PROTO opcode
+        return ("it is a raw Python pickle, not torch.save's format, and was not unpickled (a pickle can run code); "
+                "save the weights with torch.save.")
+    if not head:
+        return "it is empty."
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return "it is neither torch.save's zip format nor its older pickle format."
+    return f"it is a text file (it starts with {text!r}), not torch.save's format."
+
+
+# The type each key of a checkpoint must have, where it has the key: a file is untrusted input,
+# and a wrong type would otherwise surface as a traceback far from the file that caused it.
+STATE_TYPES: Dict[str, type] = {
+    "model": dict, "model_spec": dict, "optimizer": dict, "scheduler": dict, "scaler": dict, "epoch": int, "step": int,
+    "batch_in_epoch": int, "micro_batch": int, "eval_batch_size": int, "checkpointer": dict, "early_stopping": dict,
+    "rng": dict, "config": dict, "metrics": dict, "classes": list,
+}
+
+
+def checked_state(state: Any, path: str | Path, require: Sequence[str] = ()) -> Dict[str, Any]:
+    """A runlab checkpoint's dict, refused unless it has the marker, every key in ``require`` and
+    the right type under every key it has: the one structural check of every path that reads one
+    (resume, task=eval, finetune.from, load_model)."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a runlab checkpoint (it lacks the runlab format marker).")
     missing = [key for key in require if key not in state]
     if missing:
         raise CheckpointError(f"{path} has the runlab marker but lacks {', '.join(missing)}: it is damaged, or was "
                               "not written by a training run.")
+    wrong = [f"{key} is {type(state[key]).__name__}, not {kind.__name__}" for key, kind in STATE_TYPES.items()
+             if key in state and not (isinstance(state[key], kind) and not isinstance(state[key], bool))]
+    if "model" in state and isinstance(state["model"], dict):
+        wrong += [f"model[{name!r}] is {type(value).__name__}, not a tensor" for name, value in state["model"].items()
+                  if not torch.is_tensor(value)][:1]
+    if wrong:
+        raise CheckpointError(f"{path} has the runlab marker but is damaged: {'; '.join(wrong)}.")
     return state
+
+
+def load_checkpoint(path: str | Path, require: Sequence[str] = ()) -> Dict[str, Any]:
+    """A runlab checkpoint's dict, refused unless it holds every key in ``require`` (``checked_state``)."""
+    path = resolve_checkpoint_path(path)
+    return checked_state(read_weights_only(path), path, require)
 
 
 def checked_spec(spec: Any, source: str | Path) -> Dict[str, Any]:

@@ -7,6 +7,7 @@ file, with no traceback before it (``HYDRA_FULL_ERROR=1`` re-raises it instead).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -24,6 +25,7 @@ class RunlabError(Exception):
 
     exit_code = 2
     label = "error"
+    before_work = False  # raised before the run did any work: it leaves nothing behind
 
     @property
     def line(self) -> str:
@@ -42,9 +44,13 @@ class RunlabError(Exception):
 class ConfigError(RunlabError, ValueError):
     """A config value, input file or output location that cannot work."""
 
+    before_work = True
+
 
 class CheckpointError(RunlabError, ValueError):
     """A checkpoint that is missing, corrupt, incomplete or not runlab's."""
+
+    before_work = True
 
 
 class DivergedError(RunlabError):
@@ -117,7 +123,23 @@ def signal_name(signum: int) -> str:
 class RunLogHandler(logging.FileHandler):
     """train.log. A line that cannot be written for want of space is dropped quietly: the run
     stops at its next checkpoint, TensorBoard or metrics.json write with one line, and a
-    traceback for each dropped line ("--- Logging error ---") would bury it."""
+    traceback for each dropped line ("--- Logging error ---") would bury it.
+
+    Hydra opens it in the run dir before it writes the run's config there: on a disk already full
+    (a ``hydra.run.dir`` of the user's, or a job started again in its own run dir) that write would
+    end in Hydra's traceback, so the run ends here, with its one line, leaving the dir as it was."""
+
+    def __init__(self, filename: str, *args, **kwargs):
+        directory = Path(filename).parent
+        if out_of_space(directory):
+            from framework.paths import shown  # paths imports this module
+
+            with contextlib.suppress(OSError):
+                directory.rmdir()  # only if empty: made for this run a moment ago
+            full = ResourceError(f"no space left on device to start a run in {shown(directory)}; free some space, "
+                                 "then run the command again.")
+            exit_with(full)
+        super().__init__(filename, *args, **kwargs)
 
     def handleError(self, record: logging.LogRecord) -> None:
         error = sys.exc_info()[1]
@@ -140,6 +162,10 @@ def exit_with(error: RunlabError) -> NoReturn:
         raise error
     log_to_files(error.line)
     print(error.line, file=sys.stderr, flush=True)
+    if error.before_work:
+        from framework.paths import discard_new_run_dirs
+
+        discard_new_run_dirs()
     raise SystemExit(error.exit_code) from None
 
 

@@ -22,6 +22,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import shutil
 import socket
 from datetime import datetime
 from pathlib import Path
@@ -29,16 +30,18 @@ from typing import List, Optional, Set
 
 from omegaconf import OmegaConf
 
-from framework.errors import ConfigError, ResourceError, RunlabError, exit_with, out_of_space
+from framework.errors import ConfigError, ResourceError, RunlabError, disk_full, exit_with, out_of_space
 
 LOCK_FILE = "run.lock"
 RESOLVED_DIRS: List[Path] = []  # created by the runlab.new_dir resolver in this process
+PARENTS_MADE: List[Path] = []  # the folders above them that did not exist before, deepest first
 
 
 def create_run_dir(path: str) -> str:
     """Create ``path`` exclusively, or the first free ``path_N``; returns the one created."""
     base = Path(path)
     try:
+        PARENTS_MADE.extend(parent for parent in base.parents if not parent.exists())
         base.parent.mkdir(parents=True, exist_ok=True)
         for suffix in range(1000):
             candidate = base if suffix == 0 else base.with_name(f"{base.name}_{suffix}")
@@ -66,12 +69,28 @@ def new_dir(path: str) -> str:
     return created
 
 
+# What a run dir holds before the run does any work: Hydra's record of the config, the log, the
+# lock and the logger's first (empty) events file.
+SET_UP_FILES = {".hydra", "train.log", LOCK_FILE, "tensorboard"}
+
+
+def discard_new_run_dirs() -> None:
+    """A run refused before any work leaves nothing behind: the run dirs this process created go,
+    as long as they hold only what the set-up wrote. A dir the user named (``hydra.run.dir``) stays."""
+    for path in RESOLVED_DIRS:
+        with contextlib.suppress(OSError):
+            if all(entry.name in SET_UP_FILES for entry in path.iterdir()):
+                shutil.rmtree(path)
+    remove_unused_dirs()
+
+
 @atexit.register
 def remove_unused_dirs() -> None:
     """A config file that sets ``hydra.sweep.dir`` (the search presets) replaces the default by a
     merge, and OmegaConf resolves the replaced value while merging: that dir is created too.
-    Left empty, it goes when the process ends (rmdir removes nothing else)."""
-    for path in RESOLVED_DIRS:
+    Left empty, it goes when the process ends, and so do the empty folders made above it
+    (./outputs/train/multirun/ of a sweep sent elsewhere); rmdir removes nothing else."""
+    for path in [*RESOLVED_DIRS, *PARENTS_MADE]:
         with contextlib.suppress(OSError):
             path.rmdir()
 
@@ -130,10 +149,21 @@ class RunLock:
             self.handle.close()
             raise ConfigError(f"{self.path.parent} is in use by another live run ({lock_owner(self.path)}); "
                               "start a new run instead, it gets a dir of its own.") from None
-        self.handle.seek(0)
-        self.handle.truncate()
-        self.handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        self.handle.flush()
+        try:
+            self.handle.seek(0)
+            self.handle.truncate()
+            self.handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            self.handle.flush()
+        except OSError as error:
+            self.path.unlink(missing_ok=True)  # an empty run.lock would say nothing to anyone
+            with contextlib.suppress(OSError):
+                self.handle.close()
+            if not disk_full(error, self.path.parent):
+                raise
+            full = ResourceError(f"no space left on device to start the run in {shown(self.path.parent)}; free some "
+                                 "space, then run the command again.")
+            full.before_work = True
+            raise full from None
         HELD_LOCKS.add(self.handle)
         return self
 

@@ -47,7 +47,8 @@ def test_checkpoint_round_trips_through_weights_only_loading(tmp_path):
 
 
 def test_corrupt_and_foreign_checkpoints_are_refused(tmp_path):
-    (tmp_path / "corrupt.pt").write_bytes(b"\x80\x04not a checkpoint")
+    save_checkpoint({"step": 3}, tmp_path / "whole.pt")
+    (tmp_path / "corrupt.pt").write_bytes((tmp_path / "whole.pt").read_bytes()[:200])
     with pytest.raises(CheckpointError, match="corrupt or truncated"):
         load_checkpoint(tmp_path / "corrupt.pt")
     torch.save({"weights": torch.zeros(1)}, tmp_path / "foreign.pt")
@@ -129,3 +130,23 @@ def test_linking_best_to_the_same_last_twice_leaves_no_temporary_file(tmp_path):
         atomic_link(tmp_path / "last.pt", tmp_path / "best.pt")
     assert load_checkpoint(tmp_path / "best.pt")["epoch"] == 1
     assert sorted(os.listdir(tmp_path)) == ["best.pt", "last.pt"]
+
+
+def test_a_file_torch_did_not_write_is_called_what_it_is(tmp_path):
+    import os
+    import pickle
+
+    (tmp_path / "raw.pkl").write_bytes(pickle.dumps({"model": {}}))
+    with pytest.raises(CheckpointError, match="is not a checkpoint file: it is a raw Python pickle, not torch.save's "
+                                              r"format, and was not unpickled \(a pickle can run code\)"):
+        load_checkpoint(tmp_path / "raw.pkl")
+    with pytest.raises(CheckpointError, match=r"/etc/passwd is not a checkpoint file: it is a text file \(it starts "
+                                              "with 'root:"):
+        load_checkpoint("/etc/passwd")
+    torch.save({"format": "runlab-checkpoint", "run": os.system}, tmp_path / "code.pt")
+    with pytest.raises(CheckpointError, match="was refused and not executed: it is a torch file whose pickle names "
+                                              "code to run"):
+        load_checkpoint(tmp_path / "code.pt")
+    os.mkfifo(tmp_path / "pipe.pt")
+    with pytest.raises(CheckpointError, match=r"'.*pipe.pt' is a named pipe \(FIFO\), not a checkpoint file"):
+        load_checkpoint(tmp_path / "pipe.pt")

@@ -52,7 +52,7 @@ def test_a_corrupt_checkpoint_stops_with_one_line(cli, tmp_path):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"garbage")
     line = one_line_error(cli(f"resume={bad}", *QUICK))
-    assert "corrupt or truncated" in line
+    assert "is not a checkpoint file: it is a text file (it starts with 'garbage')" in line
 
 
 def test_an_unknown_model_names_the_available_options(cli):

@@ -383,3 +383,155 @@ def test_the_last_lines_of_a_run_say_where_everything_is(cli, user):
                     f"test/loss {metrics['test/loss']:.4f}",
                     f"Checkpoints: {shown}/checkpoints/best.pt, {shown}/checkpoints/last.pt",
                     f"TensorBoard: tensorboard --logdir {shown}/tensorboard"]
+
+
+# --- checkpoints that are not what they claim: every path refuses them alike --------------------
+
+def crafted_checkpoint(path: Path, **changes) -> Path:
+    """A file with runlab's marker and every key a training run writes (of the right types, unless
+    ``changes`` say otherwise; a value of None removes the key)."""
+    from framework.checkpoint import FORMAT, TRAINING_STATE
+
+    state = {key: {} for key in TRAINING_STATE}
+    state.update(format=FORMAT, version=1, epoch=1, step=19, batch_in_epoch=0, micro_batch=64,
+                 model={"w": torch.zeros(1)}, model_spec={"_target_": "framework.model.MLP", "width": 32})
+    state.update(changes)
+    torch.save({key: value for key, value in state.items() if value is not None}, path)
+    return path
+
+
+DAMAGED = {
+    "epoch a string": ({"epoch": "three"}, "has the runlab marker but is damaged: epoch is str, not int."),
+    "model_spec a list": ({"model_spec": ["framework.model.MLP"]}, "is damaged: model_spec is list, not dict."),
+    "only the weights": ({key: None for key in ("model_spec", "optimizer", "scheduler", "scaler", "epoch", "step",
+                                                "batch_in_epoch", "micro_batch", "checkpointer", "early_stopping",
+                                                "rng", "config")}, "has the runlab marker but lacks model_spec"),
+}
+
+
+@pytest.mark.parametrize("kind", DAMAGED)
+def test_a_damaged_checkpoint_is_refused_alike_by_resume_eval_finetune_and_load_model(train, tmp_path, kind):
+    from framework import load_model
+    from framework.entry import run
+    from framework.errors import CheckpointError
+
+    changes, message = DAMAGED[kind]
+    path = crafted_checkpoint(tmp_path / "damaged.pt", **changes)
+    refusals = [lambda: load_model(path), lambda: run(["task=eval", f"ckpt={path}"], run_dir=str(tmp_path / "eval")),
+                lambda: train(f"finetune.from={path}", "logger=none"), lambda: train(f"resume={path}", "logger=none")]
+    for refused in refusals:
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            refused()
+
+
+def test_a_damaged_checkpoint_given_to_resume_is_one_line_and_leaves_no_run_dir(cli, user):
+    crafted_checkpoint(user.repo / "damaged.pt", epoch="three")
+    line = one_line_error(cli("resume=damaged.pt", *QUICK))
+    assert line == "runlab: error: damaged.pt has the runlab marker but is damaged: epoch is str, not int."
+    assert not user.outputs.exists()  # nor outputs/train/: the refused run made them, and took them back
+
+
+def test_a_refused_resume_leaves_no_run_dir(cli, user):
+    assert cli("trainer.max_epochs=1", "model.width=32", *QUICK).returncode == 0
+    (first,) = user.runs()
+    line = one_line_error(cli("trainer.max_epochs=2", "model.width=32", "trainer.progress_bar=false", "seed=7",
+                              "resume=auto"))  # with TensorBoard, whose events file the refusal found written
+    assert "resume: seed=7 differs from the checkpoint's 42" in line
+    assert user.runs() == [first]
+
+
+# --- set-up on a full disk -----------------------------------------------------------------------
+
+def test_a_run_started_on_a_full_disk_in_a_dir_of_its_own_is_one_line_and_leaves_nothing(user):
+    """Resuming a job in its own run dir, and a new hydra.run.dir, on a disk already full: Hydra
+    would write its config there and end in a traceback, and the lock would be left empty."""
+    if not mount_namespaces_work(user):
+        pytest.skip("this machine cannot make a private mount namespace (unshare -rm)")
+    user.outputs.mkdir()
+    commands = ("mkdir -p outputs/train/old/checkpoints && head -c 10M /dev/zero > outputs/filler 2>/dev/null; "
+                "python run.py hydra.run.dir=outputs/train/old resume=auto; echo exit $?; "
+                "python run.py hydra.run.dir=outputs/new trainer.max_epochs=1; echo exit $?; "
+                "find outputs -mindepth 1 | sort")
+    result = user.run(namespaced(commands, "mount -t tmpfs -o size=1m tmpfs outputs"), timeout=120)
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr[-3000:]
+    assert [line for line in result.stdout.splitlines() if line.startswith("exit ")] == ["exit 4", "exit 4"]
+    assert result.stderr.splitlines() == [
+        "runlab: error: no space left on device to start a run in outputs/train/old; free some space, then run the "
+        "command again.",
+        "runlab: error: no space left on device to start a run in outputs/new; free some space, then run the "
+        "command again."]
+    # Nothing left behind: no run.lock, no .hydra/ or train.log in the old run dir, no outputs/new.
+    assert result.stdout.splitlines()[-4:] == ["outputs/filler", "outputs/train", "outputs/train/old",
+                                               "outputs/train/old/checkpoints"]
+
+
+# --- signals at the very end ------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_a_ddp_launcher_after_training_ends_exits_143_quietly(user, tmp_path):
+    log = tmp_path / "ddp.log"
+    process = user.start("python run.py parallel=ddp trainer.max_epochs=1 model.width=32 logger=none "
+                         "trainer.progress_bar=false", log)
+    wait_for(lambda: "Checkpoints: " in log.read_text(), process, log)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 143, log.read_text()[-3000:]
+    after = log.read_text().split("Checkpoints: ", 1)[1]
+    assert "runlab:" not in after and "Traceback" not in after and "leaked" not in after, after
+
+
+# --- the sweeper ----------------------------------------------------------------------------
+
+def test_a_tpe_sweep_that_repeats_itself_still_runs_n_trials(tmp_path, caplog):
+    """hydra-optuna-sweeper's sphere example: 69 configurations, TPE with seed 123 proposes only tried
+    ones after 19 trials; the 20th is a random untried one, and the log says so."""
+    import optuna
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from framework.search.slots import TrialSlots
+    from framework.search.study import load_sweep_study
+    from framework.search.sweeper import StudySweeper
+
+    class Sphere(TrialSlots):
+        def __init__(self):
+            self.started = []
+
+        def submit(self, overrides, number):
+            point = dict(override.split("=") for override in overrides)
+            self.started.append((number, float(point["x"]) ** 2 + float(point["y"]) ** 2))
+            return number
+
+        def next_finished(self, handles):
+            number, value = self.started.pop(0)
+            result = JobReturn()
+            result.status, result.return_value = JobStatus.COMPLETED, value
+            return number, result
+
+        def cancel(self, handles):
+            pass
+
+    sampler = {"_target_": "optuna.samplers.TPESampler", "seed": 123}
+    sweeper = StudySweeper(sampler=optuna.samplers.TPESampler(seed=123), pruner=None, direction="minimize", storage="",
+                           study_name="sphere", n_trials=20, n_jobs=1, max_failure_rate=0.0, custom_search_space=None,
+                           params=OmegaConf.create({"x": "range(-5.5, 5.5, step=0.5)", "y": "choice(-5, 0, 5)"}),
+                           export_dir="")
+    sweeper.config = OmegaConf.create({"hydra": {"sweeper": {"pruner": None, "sampler": sampler}}})
+    sweeper.sweep_dir, sweeper.launcher = tmp_path, Sphere()
+    caplog.set_level("INFO", logger="framework.search.sweeper")
+    sweeper.sweep([])
+    run = [t for t in load_sweep_study(tmp_path).trials if "duplicate_of" not in t.user_attrs]
+    assert len(run) == 20 and all(t.state.name == "COMPLETE" for t in run)
+    assert len({(t.params["x"], t.params["y"]) for t in run}) == 20
+    assert "is a random untried one instead" in caplog.text and "no untried configuration left" not in caplog.text
+
+
+def test_a_sweep_sent_elsewhere_leaves_no_folder_in_the_working_directory(tmp_path, monkeypatch):
+    """The search presets set hydra.sweep.dir by a merge, which resolves the default one too: it and the
+    folders made above it go when the process ends."""
+    from framework.entry import compose
+    from framework.paths import remove_unused_dirs
+
+    monkeypatch.chdir(tmp_path)
+    assert compose(["search=tpe", "hydra.sweep.dir=elsewhere/sweep"]).hydra.sweep.dir == "elsewhere/sweep"
+    remove_unused_dirs()  # as at the end of the process
+    assert list(tmp_path.iterdir()) == []

@@ -323,24 +323,33 @@ def spawn_workers(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     workers = mp.start_processes(_worker, args=(world_size, port, config, str(run_dir), task, reports, os.getpid()),
                                  nprocs=world_size, join=False, start_method="spawn")
+    forwarded: List[int] = []
     try:
-        with signals_forwarded(workers.pids()):
+        with signals_forwarded(workers.pids(), forwarded):
             while not workers.join():
                 pass
     except ProcessException as failure:
+        if getattr(failure, "exit_code", 0) in [-signum for signum in forwarded]:
+            raise SystemExit(128 - failure.exit_code) from None  # as below, in a worker's last instant
         raise worker_failure(reports, failure) from None
     reported = drain(reports)
     for kind, _, value in reported:
         if kind == "error":  # the workers stopped on a signal and exited cleanly (Interrupted)
             raise value[0]
+    if forwarded:
+        # The signal came after the training had ended (its last lines), where it ends a single process
+        # at once: the launcher ends as that process would, quietly, with 128 + its number.
+        raise SystemExit(128 + forwarded[0])
     return next(value for kind, _, value in reported if kind == "result")
 
 
 @contextlib.contextmanager
-def signals_forwarded(pids: List[int]) -> Iterator[None]:
+def signals_forwarded(pids: List[int], forwarded: List[int]) -> Iterator[None]:
     """SIGINT and SIGTERM sent to the launcher go on to every worker, which stop together at a step,
-    save last.pt and exit; the launcher then ends with their Interrupted."""
+    save last.pt and exit; the launcher then ends with their Interrupted. ``forwarded`` gets each
+    signal sent on."""
     def forward(signum: int, frame) -> None:
+        forwarded.append(signum)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
@@ -395,10 +404,22 @@ def _worker(rank: int, world_size: int, port: int, config: dict, run_dir: str, t
     OmegaConf.set_struct(cfg, True)
     if "OMP_NUM_THREADS" not in os.environ:  # the processes share the cores instead of each taking all of them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    ended = threading.Event()
+
+    def stop(signum: int, frame) -> None:
+        # The launcher forwards SIGINT and SIGTERM; the task owns them while it trains. Once it has
+        # ended, the worker finishes quietly (the launcher then ends on the signal); a worker killed
+        # there would read as a crash and leave its semaphores behind.
+        if not ended.is_set():
+            raise Interrupted(signum, f"stopped by {signal.Signals(signum).name} while the processes started.")
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stop)
     try:
         env = join_group(cfg, rank, world_size, rank)
         try:
             result = task(cfg, run_path, env)
+            ended.set()
         finally:
             env.cleanup()
     except Interrupted as error:

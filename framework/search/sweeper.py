@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 OOM_MARKERS = ("out of memory", "can't allocate memory")
 DIRECTIONS = ("minimize", "maximize")
-# Draws in a row that repeat tried configurations before the space counts as exhausted.
+# Draws in a row that repeat tried configurations before a random untried one is taken instead.
 MAX_DRAWS = 30
 # Runs of a trial whose driver died: the first, and one more.
 MAX_RUNS = 2
@@ -76,6 +76,30 @@ def save_traceback(result: JobReturn) -> None:
 
 def configuration(params: Dict[str, Any]) -> Tuple:
     return tuple(sorted(params.items()))
+
+
+# A finite space is enumerated to draw an untried configuration only up to this size.
+MAX_GRID = 1_000_000
+
+
+def space_grid(space: Dict[str, Any]) -> Optional[Dict[str, List[Any]]]:
+    """Every value of each parameter, where every distribution is discrete and finite (choices, int
+    ranges, stepped floats) and the space holds at most MAX_GRID configurations; else None."""
+    from optuna.distributions import (CategoricalDistribution, DiscreteUniformDistribution, IntLogUniformDistribution,
+                                      IntUniformDistribution)
+
+    grid = {}
+    for name, distribution in space.items():
+        if isinstance(distribution, CategoricalDistribution):
+            grid[name] = list(distribution.choices)
+        elif isinstance(distribution, (IntUniformDistribution, IntLogUniformDistribution)):
+            grid[name] = list(range(distribution.low, distribution.high + 1, distribution.step))
+        elif isinstance(distribution, DiscreteUniformDistribution):
+            count = int(round((distribution.high - distribution.low) / distribution.q)) + 1
+            grid[name] = [distribution.low + i * distribution.q for i in range(count)]
+        else:
+            return None
+    return grid if math.prod(map(len, grid.values())) <= MAX_GRID else None
 
 
 def as_list(value: Any) -> List[Any]:
@@ -143,8 +167,8 @@ class StudySweeper(Sweeper):
         finally:
             heartbeat.close()
         if self.exhausted:
-            log.warning("The search space has no untried configuration left (%d draws in a row repeated tried "
-                        "ones); the sweep ends with %d trials.", MAX_DRAWS, len(finished_trials(study)))
+            log.warning("The search space has no untried configuration left (%s); the sweep ends with %d trials.",
+                        self.exhaustion, len(finished_trials(study)))
         self.finish(study)
 
     def next_trials(self, study, space: Dict[str, Any], extend_space: Optional[Callable], slots: int,
@@ -349,23 +373,61 @@ class StudySweeper(Sweeper):
         return None
 
     def draw(self, study, space: Dict[str, Any], extend_space: Optional[Callable]) -> Optional[Any]:
-        """A new trial whose configuration no complete, pruned or running trial has; None when
-        MAX_DRAWS draws in a row repeated one (a small discrete space is used up)."""
+        """A new trial whose configuration no complete, pruned or running trial has; None only when
+        none is left: every configuration of a discrete, finite space tried, or, for a space that
+        cannot be counted, MAX_DRAWS draws of the sampler and as many random ones all repeating.
+
+        A sampler that keeps proposing tried points (TPE on a small discrete space does) has not used
+        the space up: the trial is then a random untried configuration, and the log says so."""
+        from optuna.samplers import RandomSampler
         from optuna.trial import TrialState
 
         tried = {configuration(t.params): t.number for t in run_trials(study) if t.state != TrialState.FAIL}
-        for _ in range(MAX_DRAWS):
-            study.sampler = self.seeded_sampler(len(study.trials))
+        grid = None if extend_space else space_grid(space)
+        if grid is not None and len(tried) >= math.prod(map(len, grid.values())):
+            self.exhaustion = f"all {len(tried)} configurations of the space were tried"
+            return None
+        for attempt in range(2 * MAX_DRAWS):
+            if attempt < MAX_DRAWS:
+                study.sampler = self.seeded_sampler(len(study.trials))
+            elif grid is not None:
+                return self.untried_trial(study, space, grid, tried)
+            else:  # a space that cannot be counted (continuous, or extended per trial): random draws
+                study.sampler = RandomSampler(seed=len(study.trials))
             trial = study.ask(space)
             if extend_space:
                 extend_space(self.config, trial)
             repeated = tried.get(configuration(trial.params))
             if repeated is None:
+                if attempt >= MAX_DRAWS:
+                    log.info("The sampler proposed only tried configurations %d times in a row; trial %d is a random "
+                             "draw instead.", MAX_DRAWS, trial.number)
                 return trial
             # Told FAIL and marked, so that it counts for nothing and the report leaves it out.
             trial.set_user_attr("duplicate_of", repeated)
             study.tell(trial, state=TrialState.FAIL)
+        self.exhaustion = f"{2 * MAX_DRAWS} draws in a row, half of them random, repeated tried ones"
         return None
+
+    def untried_trial(self, study, space: Dict[str, Any], grid: Dict[str, List[Any]], tried: Dict[Tuple, int]):
+        """A trial of a configuration drawn at random among the untried ones of a finite space."""
+        import itertools
+        import random
+
+        from optuna.exceptions import ExperimentalWarning
+
+        names = sorted(grid)
+        untried = [point for point in itertools.product(*(grid[name] for name in names))
+                   if tuple(zip(names, point)) not in tried]
+        choice = dict(zip(names, random.Random(len(study.trials)).choice(untried)))
+        with warnings.catch_warnings():  # "enqueue_trial is experimental" (Optuna 2), for years now
+            warnings.simplefilter("ignore", category=ExperimentalWarning)
+            study.enqueue_trial(choice)
+        trial = study.ask(space)
+        log.info("The sampler proposed only tried configurations %d times in a row; trial %d is a random untried one "
+                 "instead (%d of the space's %d configurations are untried).", MAX_DRAWS, trial.number, len(untried),
+                 math.prod(map(len, grid.values())))
+        return trial
 
     @staticmethod
     def mark_stopped(trials: Sequence, why: str) -> None:
