@@ -1,6 +1,7 @@
-"""The README's commands, verbatim, in a fresh copy of the repository.
+"""The README's and the docs pages' commands, verbatim, in a fresh copy of the repository.
 
-The commands are read from README.md itself, so the two cannot drift apart:
+The commands are read from README.md, then from each page of docs/ in the order of mkdocs.yml's
+nav, so the documents and the tests cannot drift apart:
 
 - a ```bash block: every line is a command (a trailing `\\` continues it) and must exit 0. A
   line whose comment starts with `needs:` (`# needs: 2 GPUs`) cannot run on this machine and
@@ -10,13 +11,19 @@ The commands are read from README.md itself, so the two cannot drift apart:
   `$ echo $?` shows the exit code of the command before it.
 - a ```python block runs as a script and must exit 0.
 
-Every block runs in README order, in one copy, with .venv/bin on PATH as after
-`source .venv/bin/activate`, and with nothing a user would not type.
+Every block runs in that order, in one copy, with .venv/bin on PATH as after
+`source .venv/bin/activate`, and with nothing a user would not type. A block is named by its
+file and line (`docs/training.md:120`).
+
+The site itself is built with `mkdocs build --strict`, so a broken link or anchor between
+pages fails here too, and so does a README link to a page or heading that does not exist.
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import sys
 import signal
 import subprocess
 import time
@@ -26,6 +33,7 @@ from pathlib import Path
 from typing import Iterator, List, Tuple
 
 import pytest
+import yaml
 
 from conftest import REPO, UserShell, copy_repository, read_metrics
 
@@ -37,16 +45,33 @@ SERVING = re.compile(r"TensorBoard \S+ at (http://\S+/) ")
 class Block:
     kind: str  # bash | console | python
     text: str
-    line: int  # where it starts in README.md
+    line: int  # where it starts in its file
+    file: str = "README.md"  # relative to the repository
 
     @property
     def where(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.file}:{self.line}"
 
 
-def readme_blocks(text: str) -> List[Block]:
-    return [Block(match.group(1), match.group(2), text.count("\n", 0, match.start()) + 1)
+def readme_blocks(text: str, file: str = "README.md") -> List[Block]:
+    return [Block(match.group(1), match.group(2), text.count("\n", 0, match.start()) + 1, file)
             for match in FENCE.finditer(text) if match.group(1) in ("bash", "console", "python")]
+
+
+def nav_pages(nav) -> Iterator[str]:
+    """The pages of mkdocs.yml's nav, in order (entries may nest in sections)."""
+    for entry in nav:
+        target = next(iter(entry.values())) if isinstance(entry, dict) else entry
+        if isinstance(target, list):
+            yield from nav_pages(target)
+        else:
+            yield target
+
+
+def documents() -> List[str]:
+    """README.md, then the docs pages in the site's order."""
+    site = yaml.safe_load((REPO / "mkdocs.yml").read_text())
+    return ["README.md", *(f"{site.get('docs_dir', 'docs')}/{page}" for page in nav_pages(site["nav"]))]
 
 
 def bash_commands(block: Block) -> Iterator[Tuple[str, str]]:
@@ -143,7 +168,7 @@ class Step:
 
 def readme_steps() -> List[Step]:
     steps = []
-    for block in readme_blocks((REPO / "README.md").read_text()):
+    for block in (b for file in documents() for b in readme_blocks((REPO / file).read_text(), file)):
         if block.kind == "bash":
             steps += [Step(block, command, needs) for command, needs in bash_commands(block)]
         else:
@@ -156,13 +181,17 @@ STEPS = readme_steps()
 
 @pytest.fixture(scope="module")
 def reader(tmp_path_factory) -> UserShell:
-    """One fresh copy for the whole README, read top to bottom (later commands use earlier runs)."""
+    """One fresh copy for the README and the pages, read top to bottom (later commands use earlier runs)."""
     return UserShell(copy_repository(tmp_path_factory.mktemp("readme") / "runlab"))
 
 
 def test_the_readme_format_is_understood():
     commands = [step.command.split(" #")[0].strip() for step in STEPS if step.command and not step.needs]
     assert len(commands) >= 20 and "python run.py -m lr=1e-3,1e-4" in commands
+    readme = [step.command.split(" #")[0].strip() for step in STEPS if step.block.file == "README.md" and step.command]
+    assert {"python run.py parallel=ddp", "python run.py -m lr=1e-3,1e-4", "python run.py experiment=digits_cnn",
+            "make run", "make test"} <= set(readme)  # the card's commands, on the README itself
+    assert len(documents()) > 10 and all((REPO / page).is_file() for page in documents())
     assert all(console_transcript(s.block).commands for s in STEPS if s.block.kind == "console")
     assert as_pattern("micro-batch ... fits").search("micro-batch 4096 fits")
 
@@ -187,11 +216,10 @@ def test_readme_step_works_verbatim_in_a_fresh_copy(reader, step, tmp_path):
 
 
 def extending_example() -> Tuple[List[Tuple[str, str]], str]:
-    """The README's worked example of a new option: the (kind, text) of the blocks that add to a
-    file, each naming the file on its first line, and the command that uses the option."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("\n## Extending"):]
-    section = section[:section.index("\n## ", 1)]
+    """The docs' worked example of a new option (docs/extending.md): the (kind, text) of the blocks
+    that add to a file, each naming the file on its first line, and the command that uses the option."""
+    text = (REPO / "docs" / "extending.md").read_text()
+    section = text[text.index("\n## A worked example"):]
     blocks = [(match.group(1), match.group(2)) for match in FENCE.finditer(section)]
     return [(kind, body) for kind, body in blocks if kind in ("py", "yaml")], next(b for k, b in blocks if k == "sh").strip()
 
@@ -214,3 +242,29 @@ def test_the_extending_example_adds_a_data_source_in_a_fresh_copy(user):
     refused = user.run("python run.py data=moons data.root=x")
     assert refused.returncode == 1 and "Key 'root' not in 'MoonsDataConfig'" in refused.stderr
     assert "moons" in user.run("python run.py --help").stdout
+
+
+def test_the_docs_site_builds_strictly(tmp_path):
+    """mkdocs-material's build with --strict: a link to a missing page or anchor is an error."""
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                          cwd=REPO, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert (tmp_path / "site" / "training" / "index.html").is_file()
+
+
+def heading_anchors(page: Path) -> set:
+    """The ids mkdocs gives a page's headings (Python-Markdown's toc slugify), outside code blocks."""
+    from markdown.extensions.toc import slugify
+
+    text = FENCE.sub("", page.read_text())
+    return {slugify(re.sub(r"[`*]", "", line.lstrip("#").strip()), "-") for line in text.splitlines() if line.startswith("#")}
+
+
+def test_the_readme_links_to_pages_and_headings_that_exist():
+    """mkdocs does not build README.md, so its links into docs/ are checked here."""
+    links = re.findall(r"\]\((docs/[^)#\s]+)(?:#([^)\s]+))?\)", (REPO / "README.md").read_text())
+    assert len(links) > 10
+    for page, anchor in links:
+        assert (REPO / page).is_file(), f"README.md links to {page}, which does not exist"
+        assert not anchor or anchor in heading_anchors(REPO / page), f"README.md links to {page}#{anchor}: no such heading"
