@@ -155,17 +155,23 @@ def test_resume_with_another_lr_trains_at_it_and_records_it(cli, user):
     assert load_checkpoint(second / "checkpoints/last.pt")["config"]["lr"] == 0.01
 
 
-@pytest.mark.parametrize("override, named", [
-    ("model.width=64", "holds a model with model.width=256, but this config builds model.width=64"),
-    ("data.classes=[0,1]", "holds a model with num_classes=10, but this config builds num_classes=2"),
-    ("batch_size=32", "resume: batch_size=32 differs from the checkpoint's 64"),
-    ("model=cnn", "holds a model with model._target_='framework.model.MLP', but this config builds "
-                  "model._target_='framework.model.CNN'"),
-])
-def test_resume_refuses_a_different_run_naming_the_key(cli, user, override, named):
-    assert cli("trainer.max_epochs=1", *QUICK).returncode == 0
-    line = one_line_error(cli("trainer.max_epochs=2", *QUICK, override, "resume=auto"))
-    assert named in line
+RESUME_REFUSALS = {
+    "model.width=64": "holds a model with model.width=32, but this config builds model.width=64",
+    "data.classes=[0,1]": "holds a model with num_classes=10, but this config builds num_classes=2",
+    "batch_size=32": "resume: batch_size=32 differs from the checkpoint's 64",
+    "model=cnn": "holds a model with model._target_='framework.model.MLP', but this config builds "
+                 "model._target_='framework.model.CNN'",
+}
+
+
+def test_resume_refuses_a_different_run_naming_the_key(train):
+    """In-process: the refusals' words (test_a_refused_resume_leaves_no_run_dir types one of them)."""
+    from framework.errors import ConfigError
+
+    _, first = train("trainer.max_epochs=1", "logger=none")
+    for override, named in RESUME_REFUSALS.items():
+        with pytest.raises(ConfigError, match=re.escape(named)):
+            train("trainer.max_epochs=2", "logger=none", override, f"resume={first / 'checkpoints/last.pt'}")
 
 
 def test_a_checkpoint_with_the_marker_but_missing_keys_is_one_line(cli, user):
@@ -274,11 +280,20 @@ CSV_FILES = {
 
 
 @pytest.mark.parametrize("kind", CSV_FILES)
-def test_a_broken_csv_is_one_line_naming_what_and_where(cli, user, kind):
+def test_a_broken_csv_is_refused_naming_what_and_where(train, tmp_path, kind):
+    from framework.errors import ConfigError
+
     content, message = CSV_FILES[kind]
-    (user.repo / "mine.csv").write_bytes(content)
+    (tmp_path / "mine.csv").write_bytes(content)
+    with pytest.raises(ConfigError, match=re.escape(f"data.path='{tmp_path / 'mine.csv'}' {message}")):
+        train("data=csv", f"data.path={tmp_path / 'mine.csv'}", *QUICK)
+
+
+def test_a_broken_csv_is_one_line(cli, user):
+    (user.repo / "mine.csv").write_bytes(CSV_FILES["ragged"][0])
     line = one_line_error(cli("data=csv", "data.path=mine.csv", *QUICK))
-    assert f"data.path='mine.csv' {message}" in line
+    assert f"data.path='mine.csv' {CSV_FILES['ragged'][1]}" in line
+    assert not user.outputs.exists()  # refused before any work: nothing left behind
 
 
 @pytest.mark.parametrize("override, message", [
@@ -290,10 +305,13 @@ def test_a_broken_csv_is_one_line_naming_what_and_where(cli, user, kind):
     ("seed=4294967296", "seed=4294967296 is invalid"),
     ("device=gpu", "device='gpu' is not a device; use auto, cpu, cuda or cuda:N."),
 ])
-def test_a_value_that_cannot_work_is_refused_before_any_work(cli, user, override, message):
-    line = one_line_error(cli(override))
-    assert message in line
-    assert not list(user.outputs.glob("**/checkpoints"))
+def test_a_value_that_cannot_work_is_refused_before_any_work(train, tmp_path, override, message):
+    """In-process: the refusals' words (test_cli types one, and sees its one line and exit code 2)."""
+    from framework.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        train(override)
+    assert not list(tmp_path.glob("**/checkpoints"))
 
 
 def test_a_name_too_long_for_the_file_system_is_one_line(cli, user):
