@@ -343,6 +343,7 @@ class Checkpointer:
                  every_n_steps: int = 0, every_minutes: float = 0.0, keep_last: int = 0):
         self.directory, self.enabled, self.is_writer = Path(directory), enabled, is_writer
         self.tracker = MetricTracker(monitor, mode)
+        self.best_epoch: Optional[int] = None  # the epoch count at the best validation
         self.every_n_steps, self.every_s, self.keep_last = every_n_steps, every_minutes * 60, keep_last
         self.scheduled = enabled and is_writer and bool(every_n_steps or every_minutes)
         self.written_at = time.monotonic()
@@ -360,6 +361,8 @@ class Checkpointer:
     def maybe_save(self, state: Callable[[], Dict[str, Any]], metrics: Dict[str, float]) -> None:
         # Every rank tracks the best value so all agree on it; only the writer touches disk.
         improved = self.tracker.improved(metrics)
+        if improved:
+            self.best_epoch = metrics.get("epoch")
         if self.enabled and self.is_writer:
             self._submit(state, improved)
 
@@ -409,10 +412,10 @@ class Checkpointer:
             in_flight.result()  # a failed write raises here, on the training thread
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"best": self.tracker.best}
+        return {"best": self.tracker.best, "best_epoch": self.best_epoch}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.tracker.best = state["best"]
+        self.tracker.best, self.best_epoch = state["best"], state.get("best_epoch")  # none before runlab kept it
 
 
 class EarlyStopping:

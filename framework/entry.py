@@ -21,6 +21,7 @@ from framework.config import CONF_DIR, metric_value, validate
 from framework.errors import ConfigError, Interrupted, RunLogHandler, RunlabError, error_from_exit, exit_with
 from framework.paths import create_run_dir
 from framework.results import RunResult, SweepResult
+from framework.search.summary import record_failed_job
 
 log = logging.getLogger("framework")
 
@@ -47,11 +48,16 @@ def main(cfg: DictConfig) -> Optional[float]:
         metrics = execute(cfg, run_dir)
         return objective(metrics, cfg.optimized_metric) if cfg.task == "train" else None
     except RunlabError as error:
-        # In a sweep the error goes to the sweeper, which records this trial as failed and goes
-        # on; but Ctrl-C or SIGTERM is meant for the whole sweep.
-        if hydra_cfg.mode == RunMode.MULTIRUN and not isinstance(error, Interrupted):
+        # Ctrl-C or SIGTERM is meant for the whole multirun. Another error ends this job only: runlab's
+        # sweeper records its trial as failed; Hydra's basic sweeper would end the multirun on it, so the
+        # job leaves its one line for the multirun's summary instead, which ends on it (search/summary.py).
+        if hydra_cfg.mode != RunMode.MULTIRUN or isinstance(error, Interrupted):
+            exit_with(error)
+        if str(hydra_cfg.sweeper.get("_target_", "")).endswith("RunlabSweeper"):
             raise
-        exit_with(error)
+        log.error(error.line)
+        record_failed_job(run_dir, error)
+        return None
 
 
 def objective(metrics: Dict[str, float], optimized_metric: Any) -> Union[float, List[float]]:

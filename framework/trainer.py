@@ -358,6 +358,7 @@ class Trainer:
             log.info("Stopped: %s.", self.stop_reason)
         monitor = self.checkpointer.tracker.monitor
         final = {**self.metrics, "step": self.step, f"best/{monitor}": self.checkpointer.tracker.best,
+                 "best_epoch": self.checkpointer.best_epoch,
                  "train_seconds": train_seconds,
                  "samples_per_second": steps_run * self.cfg.batch_size / train_seconds if train_seconds else 0.0}
         test = self.test_best()

@@ -1,7 +1,6 @@
 """The command line as a user types it: help, config printing, sweeps and one-line errors."""
 import pytest
 import torch
-import yaml
 
 from conftest import one_line_error, write_csv_without_label
 from framework.errors import CheckpointError, ConfigError
@@ -30,17 +29,6 @@ def test_printing_help_or_the_config_imports_no_torch(user, args):
     assert result.returncode == 0, result.stderr[-2000:]
     imported = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
     assert "hydra" in imported and not imported & {"torch", "tensorboard", "optuna", "ray"}
-
-
-@pytest.mark.timeout(300)
-def test_a_grid_over_lr_runs_one_complete_job_per_value(cli, user):
-    result = cli("-m", "lr=1e-3,1e-4", *QUICK)
-    assert result.returncode == 0, result.stderr[-2000:]
-    jobs = sorted((user.outputs / "train" / "multirun").glob("*/[0-9]*"))
-    assert [j.name for j in jobs] == ["0", "1"]
-    assert [yaml.safe_load((j / ".hydra" / "config.yaml").read_text())["lr"] for j in jobs] == [1e-3, 1e-4]
-    for job in jobs:
-        assert (job / "metrics.json").is_file() and (job / "train.log").is_file() and (job / "checkpoints" / "last.pt").is_file()
 
 
 def test_a_bad_value_stops_with_one_line_and_exit_code_2(cli):

@@ -8,7 +8,7 @@ import shlex
 import signal
 import sqlite3
 from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 import pytest
 

@@ -407,3 +407,5 @@ def test_a_command_line_grid_runs_on_the_ray_launcher(cli, user):
     assert result.returncode == 0, result.stderr[-2000:]
     (grid,) = (user.outputs / "train" / "multirun").iterdir()
     assert [read_metrics(grid / str(number))["epoch"] for number in (0, 1)] == [2, 2]
+    # Hydra's basic sweeper on the Ray launcher ends with the multirun's summary too.
+    assert "Best job #" in result.stdout and (grid / "jobs.csv").is_file()

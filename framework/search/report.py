@@ -135,20 +135,27 @@ def plot_history(study, path: Path) -> None:
 
 
 def plot_parallel_coordinates(trials, names: List[str], path: Path) -> None:
+    """One line per trial across its params (each axis scaled to its own range, labelled with the
+    values at its ends), coloured by the trial's value on the colour bar."""
     import matplotlib.pyplot as plt
     import numpy as np
 
     values = encoded_params(trials, names)
-    span = values.max(0) - values.min(0)
-    scaled = (values - values.min(0)) / np.where(span > 0, span, 1)
+    low, span = values.min(0), values.max(0) - values.min(0)
+    scaled = (values - low) / np.where(span > 0, span, 1)
     scores = np.array([t.value for t in trials])
-    colors = plt.cm.viridis((scores - scores.min()) / ((scores.max() - scores.min()) or 1))
-    figure, axis = plt.subplots(figsize=(max(6, 1.6 * len(names)), 4))
-    for row, color in zip(scaled, colors):
-        axis.plot(range(len(names)), row, color=color, alpha=0.8)
+    norm = plt.Normalize(scores.min(), scores.max())
+    figure, axis = plt.subplots(figsize=(max(6, 1.8 * len(names)), 4.5))
+    for row, score in zip(scaled, scores):
+        axis.plot(range(len(names)), row, color=plt.cm.viridis(norm(score)), alpha=0.8)
+    for index, name in enumerate(names):  # each axis's ends, as the values the trials had
+        lowest, highest = (trials[int(pick(values[:, index]))] for pick in (np.argmin, np.argmax))
+        axis.annotate(cell(lowest.params[name]), (index, 0), textcoords="offset points", xytext=(3, -12), fontsize=8)
+        axis.annotate(cell(highest.params[name]), (index, 1), textcoords="offset points", xytext=(3, 4), fontsize=8)
     axis.set_xticks(range(len(names)), names, rotation=20)
-    axis.set_yticks([0, 1], ["low", "high"])
-    axis.set_title("Parallel coordinates (colour: value, yellow is higher)")
+    axis.set_yticks([])
+    figure.colorbar(plt.cm.ScalarMappable(norm=norm, cmap="viridis"), ax=axis, label="value")
+    axis.set_title("Parallel coordinates (each axis from its lowest to its highest value)")
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
@@ -163,12 +170,18 @@ def param_importances(trials, names: List[str]) -> Dict[str, float]:
     return dict(sorted(zip(names, forest.feature_importances_), key=lambda item: -item[1]))
 
 
-def plot_importances(importances: Dict[str, float], path: Path) -> None:
+FEW_TRIALS = 10  # below this, a forest's importances are mostly noise
+
+
+def plot_importances(importances: Dict[str, float], trials: int, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(6, 0.5 * len(importances) + 1.5))
     axis.barh(list(importances)[::-1], list(importances.values())[::-1])
-    axis.set(xlabel="importance", title="Parameter importances (random forest)")
+    title = f"Parameter importances (random forest, {trials} trials)"
+    if trials < FEW_TRIALS:
+        title += f"\nfewer than {FEW_TRIALS} trials: read as a rough hint"
+    axis.set(xlabel="importance", title=title)
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
@@ -230,16 +243,21 @@ def plot_pareto_front(study, front, path: Path) -> None:
     plt.close(figure)
 
 
-def plot_single_objective(study, sweep_dir: Path) -> None:
+def plot_single_objective(study, sweep_dir: Path) -> List[str]:
+    """The plots of a study with one objective; returns their file names."""
     from optuna.trial import TrialState
 
     complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
     plot_history(study, sweep_dir / "optimization_history.png")
+    plots = ["optimization_history.png"]
     names = sorted(set.intersection(*(set(t.params) for t in complete)))
     if names:
         plot_parallel_coordinates(complete, names, sweep_dir / "parallel_coordinates.png")
+        plots.append("parallel_coordinates.png")
     if names and len(complete) >= 3:
-        plot_importances(param_importances(complete, names), sweep_dir / "param_importances.png")
+        plot_importances(param_importances(complete, names), len(complete), sweep_dir / "param_importances.png")
+        plots.append("param_importances.png")
+    return plots
 
 
 def write_experiments(study, trials: Dict[str, object], sweep_dir: Path, export_dir: str) -> None:
@@ -276,9 +294,12 @@ def write_report(study, sweep_dir: Path, export_dir: str = "", experiments: bool
         return
     OmegaConf.save(OmegaConf.create(results), sweep_dir / "optimization_results.yaml")
     if len(study.directions) == 1:
-        plot_single_objective(study, sweep_dir)
+        plots = plot_single_objective(study, sweep_dir)
+        print(f"Plots in {shown(sweep_dir)}: {', '.join(plots)}", flush=True)
         best = study.best_trial
-        print(f"Best trial #{best.number}: {best.value} with {best.params}", flush=True)
+        run_dir = best.user_attrs.get("run_dir")
+        print(f"Best trial #{best.number}: {best.value} with {best.params}"
+              + (f"; its run dir: {shown(Path(run_dir))}" if run_dir else ""), flush=True)
         if experiments:
             write_experiments(study, {"best": best}, sweep_dir, export_dir)
         return
@@ -286,16 +307,24 @@ def write_report(study, sweep_dir: Path, export_dir: str = "", experiments: bool
     numbers = {t.number for t in front}
     print(f"Pareto front ({len(front)} trials):\n{format_table([r for r in rows if r['number'] in numbers])}\n", flush=True)
     plot_pareto_front(study, front, sweep_dir / "pareto_front.png")
+    print(f"Plot in {shown(sweep_dir)}: pareto_front.png", flush=True)
     if experiments:
         write_experiments(study, {f"best_{t.number}": t for t in front}, sweep_dir, export_dir)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description="Write the report of a finished or running runlab sweep.")
+    from framework.search.study import STUDY_FILE
+    from framework.search.summary import summarize
+
+    parser = argparse.ArgumentParser(description="Write the report of a finished or running multirun: a runlab "
+                                                 "study's, or any multirun dir's table of jobs.")
     parser.add_argument("sweep_dir", type=Path)
     parser.add_argument("--study", default="", help="the study name, if the sweep dir holds several")
     parser.add_argument("--export-dir", default="", help="also write <study>_best.yaml here (e.g. experiments)")
     args = parser.parse_args(argv)
+    if not (args.sweep_dir / STUDY_FILE).is_file():  # a basic sweeper's multirun: no study, a dir per job
+        summarize(args.sweep_dir)
+        return
     write_report(load_sweep_study(args.sweep_dir, args.study), args.sweep_dir, args.export_dir)
 
 

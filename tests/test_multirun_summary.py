@@ -1,0 +1,50 @@
+"""Every multirun ends with a table of its jobs and its best job (framework/search/summary.py), whatever
+its sweeper: the card's own `python run.py -m lr=1e-3,1e-4` included."""
+import csv
+
+import yaml
+
+from conftest import read_metrics
+
+QUICK = ["trainer.max_epochs=2", "trainer.progress_bar=false", "logger=csv", "model.width=32"]
+
+
+def jobs_table(sweep_dir):
+    with open(sweep_dir / "jobs.csv", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_the_cards_grid_ends_with_its_jobs_and_the_best_one(cli, user):
+    result = cli("-m", "lr=1e-3,1e-4", *QUICK)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (sweep_dir,) = (user.outputs / "train" / "multirun").iterdir()
+    for job, lr in (("0", 1e-3), ("1", 1e-4)):  # one complete run per value
+        assert yaml.safe_load((sweep_dir / job / ".hydra" / "config.yaml").read_text())["lr"] == lr
+        assert all((sweep_dir / job / name).is_file() for name in ("metrics.json", "train.log", "checkpoints/last.pt"))
+    rows = jobs_table(sweep_dir)
+    assert [(row["job"], row["overrides"], row["status"]) for row in rows] == [("0", "lr=0.001", "COMPLETE"),
+                                                                            ("1", "lr=0.0001", "COMPLETE")]
+    scores = [float(row["val/acc"]) for row in rows]
+    assert scores == [read_metrics(sweep_dir / job)["val/acc"] for job in ("0", "1")]
+    assert [int(row["best epoch"]) for row in rows] == [read_metrics(sweep_dir / job)["best_epoch"] for job in ("0", "1")]
+    best = max(range(2), key=scores.__getitem__)
+    lines = result.stdout.splitlines()
+    assert lines[-1] == (f"Best job #{best}: val/acc {scores[best]:.4g} with {rows[best]['overrides']}; its run dir: "
+                         f"{(sweep_dir / str(best)).relative_to(user.repo)}")
+    assert lines[-4].split() == ["job", "overrides", "val/acc", "best", "epoch", "status"]
+    # The report reads any multirun dir, not only a study's.
+    again = user.run(f"python -m framework.search.report {sweep_dir.relative_to(user.repo)}")
+    assert again.returncode == 0 and again.stdout.splitlines()[-1] == lines[-1], again.stderr[-2000:]
+
+
+def test_a_failed_job_does_not_end_the_grid_and_the_grid_ends_on_it_in_one_line(cli, user):
+    result = cli("-m", "lr=1e6,1e-3", *QUICK)
+    assert result.returncode == 5, result.stderr[-2000:]
+    (sweep_dir,) = (user.outputs / "train" / "multirun").iterdir()
+    assert read_metrics(sweep_dir / "1")["epoch"] == 2  # the grid went on past the failed job
+    rows = jobs_table(sweep_dir)
+    assert [row["status"] for row in rows] == ["FAILED", "COMPLETE"]
+    assert rows[0]["error"].startswith("training diverged at step")
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "runlab: error: 1 of 2 jobs failed; the first, #0: training diverged at step")
