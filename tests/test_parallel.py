@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO, SHRINK, aids_on_path, read_metrics
+from conftest import REPO, SHRINK, aids_on_path, composed, read_metrics
 from framework.checkpoint import load_checkpoint
 from framework.errors import ConfigError
 from framework.entry import run
@@ -128,10 +128,26 @@ def test_model_parallel_refuses_a_model_it_cannot_split(train):
         train("parallel=model", "model._target_=parallel_models.TwoBranch")
 
 
-def test_dp_on_cpu_warns_once_and_equals_one_device(train, reference):
-    _, run_dir = train(*EXACT, "parallel=dp", "device=cpu")
-    assert_same_training(run_dir, reference, tolerance=0)
-    assert (run_dir / "train.log").read_text().count("parallel=dp needs at least 2 GPUs") == 1
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="parallel=dp runs the model unwrapped on fewer than 2 GPUs")
+def test_dp_equals_one_device(train, reference):
+    _, run_dir = train(*EXACT, "parallel=dp")
+    assert_same_training(run_dir, reference, tolerance=1e-5)
+
+
+def test_dp_wraps_the_model_in_data_parallel_only_over_two_gpus_or_more(caplog):
+    """Which environment parallel=dp picks, and what its wrap makes of a model: nn.DataParallel over
+    the GPUs where there are 2 or more, the plain model on cpu."""
+    from framework.parallel import DataParallelEnvironment, setup
+
+    model = nn.Linear(2, 2)
+    on_cpu = setup(composed("parallel=dp", "device=cpu"))
+    assert not isinstance(on_cpu, DataParallelEnvironment) and on_cpu.wrap(model) is model
+    assert caplog.text.count("parallel=dp needs at least 2 GPUs but this run is on cpu") == 1
+    if torch.cuda.device_count() >= 2:
+        on_gpus = setup(composed("parallel=dp", "device=cuda"))
+        wrapped = on_gpus.wrap(model)
+        assert isinstance(wrapped, nn.DataParallel) and wrapped.device_ids == list(range(torch.cuda.device_count()))
+        assert wrapped.module is model
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -215,7 +215,11 @@ def test_doctor_on_cpu_without_gputil_writes_every_section(train, monkeypatch, c
     fit = report["largest_batch"]  # the injected limit is what the doubling-then-bisection probe finds
     assert fit["largest_micro_batch"] == 64 and not fit["bounded_by_max_probe_batch"]
     assert [p["batch"] for p in fit["probes"]] == [1, 2, 4, 8, 16, 32, 64, 128, 96, 80, 72, 68, 66, 65]
-    assert report["data_vs_compute"]["verdict"] in ("data-bound", "compute-bound")
+    timing = report["data_vs_compute"]  # the verdict follows the two measured times
+    assert timing["loader_ms_per_batch"] > 0 and timing["step_ms"] > 0
+    assert timing["verdict"] == ("data-bound" if timing["loader_ms_per_batch"] > timing["step_ms"] else "compute-bound")
+    assert timing["data_fraction"] == pytest.approx(
+        timing["loader_ms_per_batch"] / (timing["loader_ms_per_batch"] + timing["step_ms"]), abs=2e-3)
     assert not report["leak_check"]["leak"]
     checks = {c["check"]: c["ok"] for c in report["static_checks"]}
     assert checks["evaluation runs without autograd"] and checks["the step's loss is detached"]
