@@ -628,6 +628,7 @@ def _validate_data(data: DictConfig) -> None:
     reads_pythons_text = data._target_ == TextDataConfig._target_ and not data.path  # data=text's default
     if "path" in data and not reads_pythons_text:
         _require(bool(data.path), f"data.path is empty; {chosen('data', data)} needs the path of your file.")
+        _require(not Path(data.path).is_dir(), f"data.path={data.path!r} is a directory; give the path of your file.")
         _require(Path(data.path).is_file(), f"data.path={data.path!r} does not exist.")
     if "context" in data:
         _require(data.context >= 1 and data.max_chars >= 0, f"data.context={data.context} and data.max_chars={data.max_chars} "

@@ -56,6 +56,7 @@ def test_an_unknown_model_names_the_available_options(cli):
     (["checkpoint.monitor=test/acc"], "checkpoint.monitor='test/acc' is not a metric of every epoch of this run; "
                                       "choose one of train/loss, val/loss, val/acc, val/acc_top5, val/f1."),
     (["data=csv", "data.path=/nonexistent/train.csv"], "data.path='/nonexistent/train.csv' does not exist"),
+    (["data=csv", "data.path=/tmp"], "data.path='/tmp' is a directory; give the path of your file."),
     (["trainer.precision=16"], "trainer.precision='16' is not allowed; choose one of 32, bf16, fp16"),
     (["data.loader=fast"], "data.loader='fast' is not allowed; choose one of auto, memory, dataloader."),
     (["data.root=images"], "data.root is not a key of data=digits; its keys are: batch_size,"),
