@@ -57,3 +57,16 @@ class NonFiniteGuard:
 
     def summary(self) -> Dict[str, float]:
         return {"trainer/nonfinite_steps_skipped": self.skipped}
+
+    def caveat(self, steps_run: int) -> str:
+        """What a run's last lines must say about its skipped steps, or ""."""
+        if not self.skipped:
+            return ""
+        return (f"{self.skipped} of {steps_run} steps ({self.skipped / max(steps_run, 1):.0%}) were skipped as "
+                "non-finite (trainer.on_nonfinite=skip); the weights learned only from the others.")
+
+    def check_run(self, steps_run: int) -> None:
+        """A run that skipped more than half its steps did not really train: it ends with DivergedError."""
+        if self.skipped * 2 > steps_run:
+            raise DivergedError(f"{self.caveat(steps_run)} With more than half skipped the result is not a trained "
+                                f"model; lower lr, or set trainer.gradient_clip_val=1.0. {self.kept()}")

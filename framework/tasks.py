@@ -12,7 +12,7 @@ from framework import parallel
 from framework.evaluate import evaluate_checkpoint
 from framework.export import export
 from framework.finetune import pretrain_if_missing
-from framework.paths import RunLock
+from framework.paths import RunLock, discard_new_run_dirs
 from framework.signals import StopRequest
 from framework.trainer import Trainer
 from framework.troubleshoot.doctor import doctor
@@ -28,7 +28,10 @@ def train(cfg: DictConfig, run_dir: Path) -> Metrics:
     # Ranks started outside runlab can share the run dir (the tasks of a SLURM job): rank 0 holds it.
     lock = RunLock(run_dir) if parallel.launched_rank(cfg) == 0 else contextlib.nullcontext()
     with lock:
-        return parallel.launch(fit, cfg, run_dir)
+        metrics = parallel.launch(fit, cfg, run_dir)
+    # resume= of a run with nothing left to train: this run wrote nothing, and its dir goes.
+    discard_new_run_dirs()
+    return metrics
 
 
 def fit(cfg: DictConfig, run_dir: Path, env: parallel.Environment) -> Metrics:

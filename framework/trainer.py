@@ -43,6 +43,14 @@ from framework.troubleshoot import MemoryTracker
 log = logging.getLogger(__name__)
 
 
+def duration(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    if not minutes:
+        return f"{seconds:.1f} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min" if hours else f"{minutes} min {rest} s"
+
+
 def seed_everything(seed: int, deterministic: bool) -> None:
     import random
 
@@ -104,6 +112,7 @@ class Trainer:
         self.validated_at = -1  # the step of the last validation
         self.metrics: Dict[str, float] = {}  # the last validation's
         self.stop_reason = ""
+        self.results_of_complete_run: Optional[Path] = None  # resume= named a run with nothing left to train
         self.resume()
 
     # --- set-up helpers ----------------------------------------------------------------
@@ -128,13 +137,16 @@ class Trainer:
             restart_lr(self.optimizer, groups)
             self.scheduler = build_scheduler(self.cfg.scheduler, self.optimizer)
             self.scheduler.fast_forward(self.epoch, self.step)
-        self.checkpointer.adopt_best(source.with_name("best.pt"))
-        log.info("Resumed from %s at epoch %d, step %d.", shown(source), self.epoch, self.step)
-        if changes:
-            log.info("Resumed with this command line's settings: %s.", "; ".join(changes))
         complete = self.complete_because()
         if complete:
             self.stop_reason = f"the run in {shown(source.parent.parent)} is complete ({complete}); nothing left to train"
+            if (source.parent.parent / "metrics.json").is_file():
+                self.results_of_complete_run = source.parent.parent / "metrics.json"
+                return  # fit() says so in one line; this run dir gets nothing
+        self.checkpointer.adopt_best(source.with_name("best.pt"))
+        log.info("Resumed from %s at %s.", shown(source), self.here)
+        if changes:
+            log.info("Resumed with this command line's settings: %s.", "; ".join(changes))
 
     def complete_because(self) -> str:
         """Why a restored run has nothing left to train, or ""."""
@@ -200,6 +212,10 @@ class Trainer:
     # --- the loop ----------------------------------------------------------------------
 
     def fit(self) -> Dict[str, float]:
+        if self.results_of_complete_run is not None:
+            log.info("%s%s; its results are in %s.", self.stop_reason[0].upper(), self.stop_reason[1:],
+                     shown(self.results_of_complete_run))
+            return json.loads(self.results_of_complete_run.read_text())
         trainable, frozen = count_parameters(self.model)
         train, val = (length(split) for split in (self.data.train, self.data.val))
         log.info("Model %s: %s trainable, %s frozen parameters; %s train / %s val samples.", self.spec["_target_"],
@@ -262,7 +278,14 @@ class Trainer:
         return self.optimizer.param_groups[0]["lr"]
 
     def position(self, step: int) -> str:
+        """Where a step of the epoch in progress is, as every message numbers it: epochs from 1."""
         return f"step {step} (epoch {self.epoch + 1})"
+
+    @property
+    def here(self) -> str:
+        """Where the run is between steps, numbered as position() numbers them: a point mid-epoch is in
+        the epoch in progress, one at an epoch's end in the epoch just ended."""
+        return f"step {self.step} (epoch {self.epoch + (self.batch_in_epoch > 0)})"
 
     def finite_state_kept(self) -> str:
         """Where the last finite state is, for a run that stops on a non-finite value."""
@@ -285,7 +308,7 @@ class Trainer:
         """Stop on the signal received: save this exact point to last.pt, then end the run."""
         self.checkpointer.save_last(self.state)
         self.env.barrier()  # no rank leaves before rank 0 has written: a launcher ends the others on the first exit
-        where = f"{signal_name(self.stop.signum)} at {self.position(self.step)}"
+        where = f"{signal_name(self.stop.signum)} at {self.here}"
         if not self.checkpointer.enabled:
             raise Interrupted(self.stop.signum, f"{where}; checkpoints are off (checkpoint.enabled=false), so nothing "
                                                 "was saved to resume from.")
@@ -348,14 +371,12 @@ class Trainer:
         self.metrics = metrics
         self.checkpointer.maybe_save(self.state, metrics)
         progress.show({name.replace("/", "_"): value for name, value in metrics.items() if name.startswith("val/")})
-        # Numbered as position() numbers steps: the epoch a mid-epoch validation falls in, else the one just ended.
-        log.info("epoch %d  step %d  %s", self.epoch + (self.batch_in_epoch > 0), self.step,
+        log.info("epoch %d  step %d  %s", self.epoch + (self.batch_in_epoch > 0), self.step,  # numbered as self.here
                  "  ".join(f"{name} {metrics[name]:.4f}" for name in metrics if name != "epoch"))
 
     def finish(self, train_seconds: float, steps_run: int) -> Dict[str, float]:
-        """Test the best weights, write metrics.json and the run's hparams, and say where everything is."""
-        if self.stop_reason:
-            log.info("Stopped: %s.", self.stop_reason)
+        """Test the best weights, write metrics.json and the run's hparams, and say where everything is;
+        then refuse a result that is mostly skipped steps (trainer.on_nonfinite=skip)."""
         monitor = self.checkpointer.tracker.monitor
         final = {**self.metrics, "step": self.step, f"best/{monitor}": self.checkpointer.tracker.best,
                  "best_epoch": self.checkpointer.best_epoch,
@@ -375,17 +396,25 @@ class Trainer:
         if self.env.is_main:
             text = json.dumps(final, indent=2, allow_nan=True) + "\n"
             atomic_write(self.run_dir / "metrics.json", lambda tmp: tmp.write_text(text))
-            self.log_where_things_are(final)
+            self.log_where_things_are(final, steps_run)
+        self.nonfinite.check_run(steps_run)
         return final
 
-    def log_where_things_are(self, final: Dict[str, float]) -> None:
-        """The run's last lines: where it wrote, how it did, and how to look at it."""
+    def log_where_things_are(self, final: Dict[str, float], steps_run: int) -> None:
+        """The run's last lines: why it stopped, how it did, what to keep in mind reading it, where it
+        wrote and how to look at it."""
         monitor = self.checkpointer.tracker.monitor
         tested = (f"test/{monitor.split('/', 1)[1]}", "test/loss")
         tests = "  ".join(f"{name} {final[name]:.4f}" for name in dict.fromkeys(tested) if name in final)
-        best = final[f"best/{monitor}"]
+        best, best_epoch = final[f"best/{monitor}"], final["best_epoch"]
+        reason = self.stop_reason or f"reached trainer.max_epochs={self.cfg.trainer.max_epochs}"
         log.info("Run dir: %s", shown(self.run_dir))
-        log.info("Best %s: %s%s", monitor, "none" if best is None else f"{best:.4f}", f"   {tests}" if tests else "")
+        log.info("Stopped: %s, at %s, after %s of training.", reason, self.here, duration(final["train_seconds"]))
+        log.info("Best %s: %s%s%s", monitor, "none" if best is None else f"{best:.4f}",
+                 "" if best_epoch is None else f" (epoch {best_epoch})", f"   {tests}" if tests else "")
+        caveat = self.nonfinite.caveat(steps_run)
+        if caveat:
+            log.warning(caveat)
         written = [shown(path) for path in (self.checkpointer.best, self.checkpointer.last) if path.is_file()]
         log.info("Checkpoints: %s", ", ".join(written) if written else "none (checkpoint.enabled=false)")
         if (self.run_dir / "tensorboard").is_dir():

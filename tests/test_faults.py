@@ -96,6 +96,16 @@ def test_skip_drops_the_non_finite_steps_and_counts_them(cli, user, fault):
     assert metrics["trainer/nonfinite_steps_skipped"] == 2 and math.isfinite(metrics["train/loss"])
     assert all_finite(weights(run_dir))
     assert (run_dir / "train.log").read_text().count("Skipped step") == 2
+    assert "2 of 19 steps (11%) were skipped as non-finite (trainer.on_nonfinite=skip)" in result.stdout
+
+
+def test_a_run_that_skipped_most_of_its_steps_ends_non_zero_in_one_line(cli, user):
+    line = one_line_error(cli("trainer.on_nonfinite=skip", "lr=1e6", "trainer.max_epochs=2", *QUICK), exit_code=3)
+    (run_dir,) = user.runs()
+    skipped = read_metrics(run_dir)["trainer/nonfinite_steps_skipped"]  # its results are kept, for a look
+    assert skipped > 19
+    assert line.startswith(f"runlab: error: {skipped} of 38 steps ({skipped / 38:.0%}) were skipped as non-finite")
+    assert "more than half skipped the result is not a trained model" in line
 
 
 def test_a_finite_loss_with_non_finite_gradients_stops_at_that_step(cli, user):
@@ -119,14 +129,13 @@ def test_resume_auto_on_a_complete_run_trains_nothing_and_exits_0(cli, user, end
     first = ["trainer.max_epochs=3"] if ending == "budget" else ["lr=1e-12", "early_stopping.patience=1"]
     assert cli(*first, *QUICK).returncode == 0
     (done,) = user.runs()
+    before = (done / "metrics.json").read_text()
     result = cli(*first, *QUICK, "resume=auto")
     assert result.returncode == 0, result.stderr[-3000:]
-    again = user.runs()[-1]
-    assert "is complete" in result.stdout and "nothing left to train" in result.stdout
-    metrics, before = read_metrics(again), read_metrics(done)
-    assert metrics["step"] == before["step"] and metrics["epoch"] == before["epoch"]  # not one step more
-    for key in ("val/acc", "best/val/acc", "test/acc"):
-        assert metrics[key] == before[key], key
+    assert user.runs() == [done] and (done / "metrics.json").read_text() == before  # nothing made, nothing changed
+    (line,) = [line.split(" - ", 1)[1] for line in result.stdout.splitlines() if " - " in line]
+    assert line.startswith(f"The run in {done.relative_to(user.repo)} is complete (")
+    assert line.endswith(f"); nothing left to train; its results are in {done.relative_to(user.repo)}/metrics.json.")
 
 
 def test_a_larger_budget_continues_on_a_schedule_rebuilt_for_it(cli, user):
@@ -395,10 +404,12 @@ def test_the_last_lines_of_a_run_say_where_everything_is(cli, user):
     (run_dir,) = user.runs()
     shown = run_dir.relative_to(user.repo)
     metrics = read_metrics(run_dir)
-    last = [line.split(" - ", 1)[1] for line in result.stdout.strip().splitlines()[-4:]]
+    last = [line.split(" - ", 1)[1] for line in result.stdout.strip().splitlines()[-5:]]
     assert last == [f"Run dir: {shown}",
-                    f"Best val/acc: {metrics['best/val/acc']:.4f}   test/acc {metrics['test/acc']:.4f}  "
-                    f"test/loss {metrics['test/loss']:.4f}",
+                    f"Stopped: reached trainer.max_epochs=2, at step 38 (epoch 2), after "
+                    f"{metrics['train_seconds']:.1f} s of training.",
+                    f"Best val/acc: {metrics['best/val/acc']:.4f} (epoch {metrics['best_epoch']})   test/acc "
+                    f"{metrics['test/acc']:.4f}  test/loss {metrics['test/loss']:.4f}",
                     f"Checkpoints: {shown}/checkpoints/best.pt, {shown}/checkpoints/last.pt",
                     f"TensorBoard: tensorboard --logdir {shown}/tensorboard"]
 

@@ -1,0 +1,24 @@
+"""One numbering for steps and epochs in every message: epochs count from 1, a step mid-epoch is in
+the epoch in progress, a step at an epoch's end in the epoch just ended."""
+import re
+
+from conftest import read_metrics
+
+QUICK = ["logger=none", "trainer.progress_bar=false"]
+
+
+def messages(result):
+    return [line.split(" - ", 1)[1] for line in result.stdout.splitlines() if " - " in line]
+
+
+def test_a_max_steps_stop_and_its_resume_number_the_step_alike(cli, user):
+    stopped = cli("trainer.max_steps=5", "trainer.max_epochs=2", *QUICK)
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    lines = messages(stopped)
+    assert any(re.fullmatch(r"epoch 1  step 5  train/loss .*", line) for line in lines), lines
+    assert "Stopped: reached trainer.max_steps=5, at step 5 (epoch 1), after" in "\n".join(lines)
+    (first,) = user.runs()
+    resumed = cli("trainer.max_epochs=2", *QUICK, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"Resumed from {first.relative_to(user.repo)}/checkpoints/last.pt at step 5 (epoch 1)." in messages(resumed)
+    assert read_metrics(user.runs()[-1])["step"] == 38
