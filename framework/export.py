@@ -68,8 +68,9 @@ def export(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     for written in directory.iterdir():  # safetensors, for one, creates its file 0600
         written.chmod(0o644)
-    log.info("Exported %s to %s: %s. On a sample batch of %d the outputs equal the original's (max abs diff %s).",
-             path, directory, ", ".join(sorted(p.name for p in directory.iterdir())), len(sample), differences)
+    log.info("Exported %s to %s: %s. On a sample batch of %d the outputs equal the original's (max abs diff: %s).",
+             path, directory, ", ".join(sorted(p.name for p in directory.iterdir())), len(sample),
+             ", ".join(f"{name} {value:.3g}" for name, value in differences.items()))
     metrics = {f"export/max_abs_diff_{name}": value for name, value in differences.items()}
     (Path(run_dir) / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics

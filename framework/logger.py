@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Dict, Mapping
 
@@ -248,7 +249,11 @@ class TensorBoardLogger(Logger):
         if not self.cfg.log_graph:
             return
         try:
-            self.writer.add_graph(model, example)
+            with warnings.catch_warnings():
+                # The trace's notes on Python values it freezes (an RNN's size checks): the graph is a
+                # picture of the model, not a program to run, so they say nothing to the user.
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                self.writer.add_graph(model, example)
         except OSError:
             raise  # the disk, not the model
         except Exception as error:  # tracing fails for some user models; the run must not

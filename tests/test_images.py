@@ -1,6 +1,7 @@
 """Image folders (data=imagefolder), other libraries' backbones (model=torchvision|timm) and their
 plain state dicts as finetune.from, walked as a user types them."""
 import json
+import re
 import stat
 from pathlib import Path
 
@@ -56,6 +57,7 @@ def test_an_image_folder_trains_and_its_export_maps_outputs_to_labels(user, tmp_
 
     exported = user.run("python run.py task=export ckpt=outputs/train")
     assert exported.returncode == 0, exported.stderr[-3000:]
+    assert re.search(r"equal the original's \(max abs diff: weights 0, program 0\)\.$", exported.stdout, re.M), exported.stdout
     artifact = user.runs("export")[-1] / "artifact"
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in artifact.iterdir())
     labels = json.loads((artifact / "manifest.json").read_text())["labels"]

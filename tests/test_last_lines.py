@@ -22,3 +22,10 @@ def test_a_max_steps_stop_and_its_resume_number_the_step_alike(cli, user):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"Resumed from {first.relative_to(user.repo)}/checkpoints/last.pt at step 5 (epoch 1)." in messages(resumed)
     assert read_metrics(user.runs()[-1])["step"] == 38
+
+
+def test_the_oom_injection_and_the_graph_trace_print_no_raw_warning(cli):
+    result = cli("troubleshoot.inject_oom_above_batch=32", "trainer.max_epochs=1", "trainer.progress_bar=false")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Warning" not in result.stderr, result.stderr[-2000:]
+    assert "Out of memory at micro-batch 64" in result.stdout  # it did back off, and the graph was traced (TensorBoard is on)
