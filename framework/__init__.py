@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from framework import config  # noqa: F401  (registers the config schemas and resolvers before Hydra composes)
+from framework import config  # noqa: F401  (registers runlab's resolvers, runlab.*, before any config is resolved)
 
 # Each public name is imported from its module on first use: importing framework loads no torch,
 # so composing and printing a config (run.py --help, --cfg job) starts in a fraction of a second.

@@ -1,4 +1,4 @@
-"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+"""Typed schemas for every config group, which runlab's app reads by name (``schemas``).
 
 Every group is selected the same way. An option's YAML (conf/<group>/<option>.yaml) extends its
 own schema here through its defaults list (``- /DigitsData@_here_``), so only that option's keys
@@ -21,7 +21,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Set, Tuple
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, DictConfig, ListConfig, OmegaConf, ValidationError
 
 from framework.errors import ConfigError
@@ -73,15 +72,22 @@ class Option:
 
 # Every option of data, objective, logger and parallel, by group and name; conf/<group>/<name>.yaml extends it.
 OPTIONS: Dict[str, Dict[str, type]] = {"data": {}, "objective": {}, "logger": {}, "parallel": {}}
+# The schemas conf/ extends by name; runlab's own config source serves them (hydra_plugins/runlab_config),
+# only in runlab's app: Hydra's ConfigStore is every app's, and another app must not see them.
+SCHEMAS: Dict[str, Any] = {}
+
+
+def schemas() -> Dict[str, Any]:
+    return {"runlab_schema": RunConfig, **SCHEMAS}
 
 
 def option(group: str, name: str) -> Callable[[type], type]:
-    """Register the schema of ``group=name`` in Hydra's ConfigStore under its class name, which
-    conf/<group>/<name>.yaml extends (``defaults: [/<ClassName>@_here_, _self_]``)."""
+    """Make the schema of ``group=name`` one conf/<group>/<name>.yaml can extend by its class name
+    (``defaults: [/<ClassName>@_here_, _self_]``)."""
     def register(schema: type) -> type:
         schema.option = f"{group}={name}"
         OPTIONS[group][name] = schema
-        ConfigStore.instance().store(name=schema.__name__, node=schema)
+        SCHEMAS[schema.__name__] = schema
         return schema
 
     return register
@@ -109,7 +115,7 @@ class DataConfig(Option):
 
 # A user's option extends the loader's keys and adds its factory's own, which a dataclass node would
 # refuse: it is stored untyped, and ``validate`` checks the loader's keys against DataConfig.
-ConfigStore.instance().store(name="DataConfig", node=OmegaConf.to_container(OmegaConf.structured(DataConfig)))
+SCHEMAS["DataConfig"] = OmegaConf.to_container(OmegaConf.structured(DataConfig))
 LOADER_KEYS = frozenset(f.name for f in fields(DataConfig)) - {"_target_"}  # the factory gets every other key of an option
 
 
@@ -463,13 +469,7 @@ class RunConfig:
     experiment: Any = None
 
 
-def register_configs() -> None:
-    store = ConfigStore.instance()
-    store.store(name="runlab_schema", node=RunConfig)
-    register_resolvers()
-
-
-register_configs()
+register_resolvers()  # runlab.* (framework/paths.py), before Hydra composes or a worker resolves a config
 
 # Integer hyperparameters of the shipped models (framework/model.py): sizes and counts, all at least 1.
 MODEL_SIZES = ("width", "depth", "channels", "stages", "blocks_per_stage")

@@ -136,7 +136,9 @@ class StudySweeper(Sweeper):
         extend_space = self.space_extension()
         space, fixed = self.search_space(arguments)
         study = self.open_study()
-        slots = self.launcher if isinstance(self.launcher, TrialSlots) else BatchSlots(self.launcher)
+        # runlab's launcher plugins hold their implementation (hydra_plugins/runlab_sweeper), which may hand trials back one by one.
+        launcher = getattr(self.launcher, "launcher", self.launcher)
+        slots = launcher if isinstance(launcher, TrialSlots) else BatchSlots(self.launcher)
         heartbeat = Heartbeat(self.rdb)
         allowed_failures = math.floor(self.max_failure_rate * self.n_trials)
         running: Dict[Any, Any] = {}  # launcher handle -> Optuna trial

@@ -1,34 +1,70 @@
-"""runlab's config files as Hydra reads them: a YAML syntax error becomes one line.
+"""runlab's config sources, for runlab's own app only.
 
-Hydra reads conf/ (and experiments/, through conf/experiment) with its file config source,
-which lets a YAML error escape with a 60-line traceback. ``RunlabSearchPath`` points the
-main config dir at ``RunlabConfigSource`` instead: the same files, read the same way, but a
-syntax error is a ``ConfigFileError`` naming the file, line and column. On the command line
-Hydra prints it as it prints every composition error (one line, exit code 1); from
-``framework.run`` it is raised as the ``ConfigError`` it also is.
+Hydra imports this module in every app of the environment, and calls ``RunlabSearchPath`` for
+each. Only where the primary config dir is runlab's conf/ (``run.py``, ``framework.run``) does
+it change anything, and then it adds what runlab's app reads:
 
-It also keeps each file it parsed, for as long as the file is unchanged: ``run.py`` composes
-twice (Hydra's ``get_mode``, then the run) and a notebook once per ``framework.run``, and
-parsing the YAML was about a sixth of each composition. And it keeps Hydra from copying its
-ConfigStore on every composition (``share_config_store``).
+- ``RunlabConfigSource`` (``runlab://``) reads conf/ (and experiments/, through conf/experiment)
+  instead of Hydra's file source: the same files, read the same way, but a YAML syntax error is a
+  ``ConfigFileError`` naming the file, line and column, which the command line prints as it prints
+  every composition error (one line, exit code 1) and ``framework.run`` raises as the
+  ``ConfigError`` it also is. It keeps each file it parsed, for as long as the file is unchanged:
+  ``run.py`` composes twice (Hydra's ``get_mode``, then the run), a notebook once per
+  ``framework.run``, and parsing the YAML was about a sixth of each composition.
+- ``RunlabSchemaSource`` (``runlab-schema://``) holds runlab's typed schemas (framework/config.py),
+  which conf/ extends by name (``- /DigitsDataConfig@_here_``). They stay out of Hydra's
+  ConfigStore, which every app of the process shares.
+- ``SharedConfigStore``: Hydra's copies of the ConfigStore, shared instead (see there).
+
+Another app sees none of it: no source, no schema, no resolver, and ``framework`` is not imported
+(tests/test_neighbour.py).
 """
 import copy
+import importlib.util
 import os
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-import yaml
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.core.config_store import ConfigStore
-from hydra.errors import ConfigCompositionException
-from hydra.plugins.config_source import ConfigResult
+from hydra.core.object_type import ObjectType
+from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 from hydra._internal.core_plugins.file_config_source import FileConfigSource
 
-from framework.errors import ConfigError
+
+def runlab_conf_dir() -> Optional[str]:
+    """conf/ beside the framework package, found without importing it (framework/config.py's CONF_DIR)."""
+    spec = importlib.util.find_spec("framework")
+    if spec is None or spec.origin is None:
+        return None
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(spec.origin))), "conf")
 
 
-class ConfigFileError(ConfigError, ConfigCompositionException):
-    """A config file that is not valid YAML."""
+class RunlabSearchPath(SearchPathPlugin):
+    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
+        main = next((element for element in search_path.get_path() if element.provider == "main"), None)
+        path = main.path.removeprefix("file://") if main else "pkg://"
+        if "://" in path or os.path.realpath(path) != runlab_conf_dir():
+            return  # another app: left as Hydra made it
+        main.path = f"{RunlabConfigSource.scheme()}://{path}"
+        search_path.append("runlab", f"{RunlabSchemaSource.scheme()}://")
+        store = ConfigStore.instance()
+        if type(store) is ConfigStore:
+            store.__class__ = SharedConfigStore
+
+
+class SharedConfigStore(ConfigStore):
+    """The ConfigStore of a process that runs runlab's app: a deep copy of it is itself.
+
+    Hydra deep-copies its config repository before each composition, and ``run.py --help`` once per
+    config group it lists (about 130 times); each copy includes the whole ConfigStore, about 12 ms
+    (1.5 s of --help). The copy is never used: the repository's structured source is rebuilt from
+    ``ConfigStore.instance()`` when its sources are initialized, and the store hands out a copy of
+    each node it loads. Only this one object changes, and only where runlab's app runs.
+    """
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "SharedConfigStore":
+        return self
 
 
 class RunlabConfigSource(FileConfigSource):
@@ -41,6 +77,8 @@ class RunlabConfigSource(FileConfigSource):
         return "runlab"
 
     def load_config(self, config_path: str) -> ConfigResult:
+        import yaml
+
         path = os.path.realpath(os.path.join(self.path, self._normalize_file_name(config_path)))
         try:
             stat = os.stat(path)
@@ -51,37 +89,67 @@ class RunlabConfigSource(FileConfigSource):
             try:
                 self.parsed[path] = version, super().load_config(config_path)
             except yaml.YAMLError as error:
+                from hydra_plugins.runlab_config._errors import ConfigFileError
+
                 raise ConfigFileError(describe(error)) from None
         result = self.parsed[path][1]
         return ConfigResult(config=copy.deepcopy(result.config), path=result.path, provider=result.provider,
                             header=dict(result.header))
 
 
-def describe(error: yaml.YAMLError) -> str:
-    mark: Optional[yaml.Mark] = getattr(error, "problem_mark", None)
+def describe(error: Any) -> str:
+    mark = getattr(error, "problem_mark", None)
     problem = getattr(error, "problem", None) or str(error).splitlines()[0]
     if mark is None:
         return f"a config file is not valid YAML: {problem}."
     return f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML ({problem})."
 
 
-class RunlabSearchPath(SearchPathPlugin):
-    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        for element in search_path.get_path():
-            if element.provider == "main" and ("://" not in element.path or element.path.startswith("file://")):
-                element.path = f"{RunlabConfigSource.scheme()}://{element.path.removeprefix('file://')}"
+class RunlabSchemaSource(ConfigSource):
+    """runlab's schemas by name (``DigitsDataConfig``), as Hydra's structured source serves the ConfigStore's."""
 
+    nodes: Dict[str, Any] = {}  # "name.yaml" -> the schema as a config; each built once per process
 
-def share_config_store() -> None:
-    """Make a deep copy of the ConfigStore the store itself.
+    def __init__(self, provider: str, path: str) -> None:
+        from omegaconf import OmegaConf
 
-    Hydra deep-copies its config repository before each composition, and ``run.py --help`` once
-    per config group it lists (about 130 times); each copy includes every schema in the
-    ConfigStore, 20-60 ms apiece. The copy is never used: the repository's structured source is
-    rebuilt from ``ConfigStore.instance()`` when its sources are initialized, and the store hands
-    out a copy of each node it loads. Sharing the singleton changes no result.
-    """
-    ConfigStore.__deepcopy__ = lambda store, memo: store
+        from framework.config import schemas
 
+        super().__init__(provider=provider, path=path)
+        for name, schema in schemas().items():  # Hydra builds its sources anew for each composition
+            if f"{name}.yaml" not in self.nodes:
+                self.nodes[f"{name}.yaml"] = OmegaConf.structured(schema)
 
-share_config_store()
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "RunlabSchemaSource":
+        # Hydra deep-copies its config repository before each composition (run.py --help: once per
+        # group it lists); the nodes are never changed (each load hands out a copy), so share them.
+        return self
+
+    @staticmethod
+    def scheme() -> str:
+        return "runlab-schema"
+
+    def load_config(self, config_path: str) -> ConfigResult:
+        name = self._normalize_file_name(config_path)
+        if name not in self.nodes:
+            raise ConfigLoadError(f"runlab has no schema {config_path}")
+        return ConfigResult(config=copy.deepcopy(self.nodes[name]), path=f"{self.scheme()}://{self.path}",
+                            provider=self.provider, header={"package": None})
+
+    def available(self) -> bool:
+        return True
+
+    def is_group(self, config_path: str) -> bool:
+        prefix = config_path.strip("/")
+        return prefix == "" or any(name.startswith(f"{prefix}/") for name in self.nodes)
+
+    def is_config(self, config_path: str) -> bool:
+        return self._normalize_file_name(config_path.rstrip("/")) in self.nodes
+
+    def list(self, config_path: str, results_filter: Optional[ObjectType]) -> List[str]:
+        prefix = f"{config_path.strip('/')}/".lstrip("/")
+        entries = {name[len(prefix):].split("/")[0] for name in self.nodes if name.startswith(prefix)}
+        found: List[str] = []
+        for entry in entries:
+            self._list_add_result(files=found, file_path=f"{prefix}{entry}", file_name=entry, results_filter=results_filter)
+        return sorted(set(found))

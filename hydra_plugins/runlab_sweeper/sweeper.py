@@ -1,12 +1,11 @@
-"""The Sweeper plugin class; the implementation is framework.search.sweeper."""
+"""The Sweeper plugin class; the implementation, framework.search.sweeper, is imported when Hydra builds
+the sweeper, not when it discovers the plugin (in every app of the environment)."""
 from typing import Any, Dict, List
 
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-
-from . import config  # noqa: F401  (registers the config schemas)
 
 
 INSTANTIATED = ("sampler", "pruner")  # Hydra built these already
@@ -16,8 +15,9 @@ def checked(settings: Dict[str, Any]) -> Dict[str, Any]:
     """The settings, type-checked against RunlabSweeperConf (the config is stored untyped, see
     config.py), with its defaults for the keys deleted with ~ (~hydra.sweeper.params: no space)."""
     from framework.errors import ConfigError
+    from hydra_plugins.runlab_sweeper.config import RunlabSweeperConf
 
-    schema = OmegaConf.structured(config.RunlabSweeperConf)
+    schema = OmegaConf.structured(RunlabSweeperConf)
     try:
         merged = OmegaConf.merge(schema, {key: value for key, value in settings.items() if key not in INSTANTIATED})
     except OmegaConfBaseException as error:
