@@ -532,6 +532,7 @@ def validate(cfg: DictConfig) -> None:
     for group in ("model", "optimizer", "data", "objective", "logger", "parallel"):
         _require(isinstance(cfg[group], DictConfig) and "_target_" in cfg[group], f"{group} has no _target_; pick one with {group}=NAME.")
         _importable(f"{group}._target_", cfg[group]._target_)
+    _validate_one_lr(cfg)
     _validate_objective(cfg.objective)
     known = known_metrics(cfg)
     _validate_monitors(cfg, known)
@@ -553,6 +554,14 @@ def validate(cfg: DictConfig) -> None:
     _require(not (parallel and parallel.fixes_trainable_parameters and cfg.finetune.unfreeze_at_epoch >= 0),
              f"finetune.unfreeze_at_epoch={cfg.finetune.unfreeze_at_epoch} is not supported with {chosen('parallel', cfg.parallel)}; "
              "keep the backbone frozen (-1) or unfreeze from the start.")
+
+
+def _validate_one_lr(cfg: DictConfig) -> None:
+    """The optimizer reads ``lr`` (``optimizer.lr: ${lr}``); one set apart would train at a rate the
+    run's record, the logger's hyperparameters and a sweep over lr never see."""
+    lr = cfg.optimizer.get("lr", cfg.lr)
+    _require(lr == cfg.lr, f"optimizer.lr={lr} differs from lr={cfg.lr}: the run would train at {lr} and record "
+             f"{cfg.lr}; set the learning rate once, with lr={lr}, and leave optimizer.lr out (it reads ${{lr}}).")
 
 
 def _validate_set(cfg: DictConfig) -> None:
