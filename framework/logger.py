@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import sys
 import threading
 import warnings
@@ -54,6 +55,9 @@ class Logger:
     def log_predictions(self, images: torch.Tensor, labels: torch.Tensor, predictions: torch.Tensor, epoch: int) -> None: ...
 
     def log_hparams(self, hparams: Scalars, metrics: Scalars) -> None: ...
+
+    def continue_run(self, previous_run_dir: Path, step: int) -> None:
+        """A resumed training goes on logging where the run it continues logged, from ``step`` on."""
 
     def close(self) -> None: ...
 
@@ -233,6 +237,23 @@ class TensorBoardLogger(Logger):
     @classmethod
     def from_config(cls, options: DictConfig, cfg: DictConfig, run_dir: Path, name: str) -> "TensorBoardLogger":
         return cls(options, run_dir, name, cfg.checkpoint.monitor)
+
+    def continue_run(self, previous_run_dir: Path, step: int) -> None:
+        """One training, one TensorBoard run across resumes: this run dir's tensorboard/ becomes a link to the
+        folder the training first logged in, and the writer goes on in its run from step + 1. TensorBoard
+        drops what the stopped run logged after its checkpoint's step (purge_step), so curves continue
+        instead of doubling back."""
+        previous = (previous_run_dir / "tensorboard").resolve()  # a resumed run's own is a link already
+        runs = [path for path in previous.iterdir() if path.is_dir()] if previous.is_dir() else []
+        if len(runs) != 1:
+            return  # it logged no TensorBoard run (logger=csv, none): this one starts its own
+        own = self.directory.parent
+        self.writer.close()
+        if own.resolve() != previous:  # not a run continued in its own dir (a sweep's trial run again)
+            shutil.rmtree(own)  # only the empty events file opened in __init__
+            own.symlink_to(previous, target_is_directory=True)
+        self.directory, self.name = runs[0], runs[0].name
+        self.writer = summary_writer_class()(log_dir=str(self.directory), purge_step=step + 1)
 
     @stops_on_a_full_disk
     def log_metrics(self, metrics: Scalars, step: int) -> None:

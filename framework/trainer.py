@@ -144,6 +144,7 @@ class Trainer:
                 self.results_of_complete_run = source.parent.parent / "metrics.json"
                 return  # fit() says so in one line; this run dir gets nothing
         self.checkpointer.adopt_best(source.with_name("best.pt"))
+        self.logger.continue_run(source.parent.parent, self.step)
         log.info("Resumed from %s at %s.", shown(source), self.here)
         if changes:
             log.info("Resumed with this command line's settings: %s.", "; ".join(changes))

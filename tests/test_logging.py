@@ -192,3 +192,14 @@ def test_a_logger_that_finds_the_disk_full_ends_the_run_with_one_line(tmp_path, 
                                  "it are kept. Free some space, then continue with resume=auto.")
     assert raised.value.exit_code == 4
     assert not caught_thread_errors  # TensorBoard's thread dies quietly: the run's one line says it all
+
+
+def test_a_resumed_training_is_one_tensorboard_run_whose_curves_go_on(train):
+    common = ["trainer.max_epochs=3", "trainer.log_every_n_steps=5", "early_stopping.enabled=false"]
+    _, first = train(*common, "trainer.max_steps=30")
+    _, second = train(*common, f"resume={first / 'checkpoints' / 'last.pt'}")
+    assert (second / "tensorboard").resolve() == (first / "tensorboard").resolve()
+    events = read_events(first)
+    steps = [event.step for event in events.Scalars("train/loss_running")]
+    assert steps == list(range(5, 58, 5))  # one curve, each step once, on to the end of epoch 3
+    assert [event.step for event in events.Scalars("overview/metric/val/acc")] == [19, 30, 38, 57]
