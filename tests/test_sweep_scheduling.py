@@ -12,6 +12,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 from omegaconf import OmegaConf
 
+from conftest import one_line_error
 from framework.errors import ConfigError
 from framework.search.slots import TrialSlots
 from framework.search.study import STOPPED, load_sweep_study
@@ -60,13 +61,14 @@ class RecordingLauncher(Launcher):
 
 
 def scripted_sweeper(tmp_path, lengths: List[float], n_jobs: int, failing: Sequence[int] = (),
-                     space: str = "interval(0.001, 0.01)", n_trials: int = 0) -> StudySweeper:
+                     space: str = "interval(0.001, 0.01)", n_trials: int = 0, direction: str = "maximize",
+                     **config) -> StudySweeper:
     sampler = {"_target_": "optuna.samplers.RandomSampler", "seed": 0}
-    sweeper = StudySweeper(sampler=optuna.samplers.RandomSampler(seed=0), pruner=None, direction="maximize",
+    sweeper = StudySweeper(sampler=optuna.samplers.RandomSampler(seed=0), pruner=None, direction=direction,
                            storage="", study_name="scripted", n_trials=n_trials or len(lengths), n_jobs=n_jobs,
                            max_failure_rate=0.0, params=OmegaConf.create({"lr": space}), custom_search_space=None,
                            export_dir="")
-    sweeper.config = OmegaConf.create({"hydra": {"sweeper": {"pruner": None, "sampler": sampler}}})
+    sweeper.config = OmegaConf.create({"hydra": {"sweeper": {"pruner": None, "sampler": sampler}}, **config})
     sweeper.sweep_dir = tmp_path
     sweeper.launcher = ScriptedSlots(lengths, failing)
     return sweeper
@@ -177,3 +179,48 @@ def test_a_batch_of_trials_numbered_apart_is_launched_so_that_each_job_keeps_its
     assert sweeper.launcher.calls == [(0, 1), (3, 1)]
     trials = load_sweep_study(tmp_path).trials
     assert [t.value for t in trials] == [0.0, 0.5, 0.5, 3.0] and trials[0].params == left.params
+
+
+WAYS_OUT = (r"start a new study with another hydra.sweeper.study_name \(or study_name=null for a new one every run\), "
+            r"or sweep as that study was made to continue it.")
+
+
+@pytest.mark.parametrize("change, difference", [
+    (dict(space="interval(0.1, 1.0)"), r"lr Uniform\(low=0.001, high=0.01\) there, Uniform\(low=0.1, high=1.0\) here"),
+    (dict(direction="minimize"), r"direction minimize here: Cannot overwrite study direction"),
+    (dict(optimized_metric="val/loss"), r"optimized_metric val/acc there, val/loss here"),
+])
+def test_a_stored_study_made_for_another_sweep_is_refused(tmp_path, change, difference):
+    scripted_sweeper(tmp_path, lengths=[1, 1], n_jobs=1, optimized_metric="val/acc").sweep([])
+    other = scripted_sweeper(tmp_path, lengths=[1] * 4, n_jobs=1, **{"optimized_metric": "val/acc", **change})
+    with pytest.raises(ConfigError, match=rf"^the stored study 'scripted' was made for another sweep \({difference}.*\); {WAYS_OUT}$"):
+        other.sweep([])
+    assert other.launcher.events == []
+    assert len(load_sweep_study(tmp_path).trials) == 2
+
+
+def test_a_stored_study_continues_with_more_trials_and_a_space_swept_on_the_command_line_alike(tmp_path):
+    scripted_sweeper(tmp_path, lengths=[1, 1], n_jobs=1, optimized_metric="val/acc").sweep([])
+    more = scripted_sweeper(tmp_path, lengths=[1] * 4, n_jobs=1, optimized_metric="val/acc")
+    more.sweep([])
+    assert more.launcher.events == ["start 2", "end 2", "start 3", "end 3"]
+    # The same space given on the command line instead of in params is the same space.
+    same = scripted_sweeper(tmp_path, lengths=[1] * 5, n_jobs=1, optimized_metric="val/acc")
+    same.params = None
+    same.sweep(["lr=interval(0.001, 0.01)"])
+    assert len(load_sweep_study(tmp_path).trials) == 5
+    # Another parameter swept, from the command line, is another space.
+    wider = scripted_sweeper(tmp_path, lengths=[1] * 6, n_jobs=1, optimized_metric="val/acc")
+    with pytest.raises(ConfigError, match=r"\(batch_size searched here only\)"):
+        wider.sweep(["batch_size=choice(32,64)"])
+
+
+def test_the_same_command_with_another_space_is_refused_in_one_line(cli):
+    """The user's path: the default study_name (name_random) found again by a changed command."""
+    first = cli("search=random", "hydra.sweeper.n_trials=1", "trainer.max_epochs=1", "trainer.progress_bar=false")
+    assert first.returncode == 0, first.stderr[-3000:]
+    line = one_line_error(cli("search=random", "hydra.sweeper.n_trials=2", "trainer.max_epochs=1",
+                              "lr=tag(log, interval(1e-3, 1e-1))"), 2)
+    assert "the stored study 'train_random' was made for another sweep (lr LogUniform(low=0.0001, high=0.03) there, " \
+           "LogUniform(low=0.001, high=0.1) here)" in line
+    assert "another hydra.sweeper.study_name" in line

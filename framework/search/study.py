@@ -7,7 +7,7 @@ import threading
 import warnings
 import zlib
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from framework.search.private_apis import trial_id, uncached
 
@@ -105,6 +105,52 @@ class Heartbeat:
 
     def close(self) -> None:
         self.stop.set()
+
+
+# What a study is for, stored with it when it is made: a sweep that reuses it must fit (``misfit``).
+PURPOSE = "made_for"
+
+
+def purpose(space: Dict[str, Any], custom_search_space: Optional[str], objectives: Optional[List[str]]) -> Dict[str, Any]:
+    """A study's search space (each distribution as text), its space extension and its objectives."""
+    return {"search_space": {name: short(distribution) for name, distribution in sorted(space.items())},
+            "custom_search_space": custom_search_space, "optimized_metric": objectives}
+
+
+def short(distribution) -> str:
+    """``LogUniform(low=0.0001, high=0.03)``: a distribution as a message names it."""
+    from optuna.distributions import distribution_to_json
+    import json
+
+    spec = json.loads(distribution_to_json(distribution))
+    return f"{spec['name'].removesuffix('Distribution')}({', '.join(f'{k}={v}' for k, v in spec['attributes'].items())})"
+
+
+def misfit(study, wanted: Dict[str, Any], directions: List[str]) -> List[str]:
+    """How a stored study differs from what this sweep wants of it (empty: it fits, or it was made
+    before runlab stored its purpose, and then it gets this one)."""
+    differences = []
+    stored_directions = [direction.name.lower() for direction in study.directions]
+    if stored_directions != directions:
+        differences.append(f"direction {'/'.join(stored_directions)} there, {'/'.join(directions)} here")
+    stored = study.user_attrs.get(PURPOSE)
+    if stored is None:
+        return differences
+    if stored["optimized_metric"] is not None and wanted["optimized_metric"] is not None \
+            and stored["optimized_metric"] != wanted["optimized_metric"]:
+        differences.append(f"optimized_metric {','.join(stored['optimized_metric'])} there, "
+                           f"{','.join(wanted['optimized_metric'])} here")
+    there, here = stored["search_space"], wanted["search_space"]
+    for name in sorted({*there, *here}):
+        if name not in here:
+            differences.append(f"{name} searched there only")
+        elif name not in there:
+            differences.append(f"{name} searched here only")
+        elif there[name] != here[name]:
+            differences.append(f"{name} {there[name]} there, {here[name]} here")
+    if stored["custom_search_space"] != wanted["custom_search_space"]:
+        differences.append(f"custom_search_space {stored['custom_search_space']} there, {wanted['custom_search_space']} here")
+    return differences
 
 
 def never_ran(trial) -> bool:

@@ -45,8 +45,8 @@ from framework.errors import ConfigError, SweepError
 from framework.search.private_apis import (distribution_from_config, heartbeat_ages, job_error, parse_sweep_overrides,
                                            trial_by_number, uncached)
 from framework.search.slots import BatchSlots, TrialSlots
-from framework.search.study import (STOPPED, Heartbeat, default_storage, failed_trials, finished_trials, rdb_storage,
-                                    run_trials, running_trials, study_lock, with_lock_timeout)
+from framework.search.study import (PURPOSE, STOPPED, Heartbeat, default_storage, failed_trials, finished_trials, misfit,
+                                    purpose, rdb_storage, run_trials, running_trials, study_lock, with_lock_timeout)
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,12 @@ def space_grid(space: Dict[str, Any]) -> Optional[Dict[str, List[Any]]]:
     return grid if math.prod(map(len, grid.values())) <= MAX_GRID else None
 
 
+def misfit_error(study_name: str, differences: List[str]) -> ConfigError:
+    return ConfigError(f"the stored study {study_name!r} was made for another sweep ({'; '.join(differences)}); start a "
+                       "new study with another hydra.sweeper.study_name (or study_name=null for a new one every run), "
+                       "or sweep as that study was made to continue it.")
+
+
 def as_list(value: Any) -> List[Any]:
     return list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
 
@@ -135,7 +141,7 @@ class StudySweeper(Sweeper):
         self.check()
         extend_space = self.space_extension()
         space, fixed = self.search_space(arguments)
-        study = self.open_study()
+        study = self.open_study(space)
         # runlab's launcher plugins hold their implementation (hydra_plugins/runlab_sweeper), which may hand trials back one by one.
         launcher = getattr(self.launcher, "launcher", self.launcher)
         slots = launcher if isinstance(launcher, TrialSlots) else BatchSlots(self.launcher)
@@ -289,7 +295,7 @@ class StudySweeper(Sweeper):
 
     # --- the study ---------------------------------------------------------------------
 
-    def open_study(self):
+    def open_study(self, space: Dict[str, Any]):
         import optuna
 
         # Optuna's own handler colours its lines with ANSI codes: its messages go through Hydra's logging instead.
@@ -298,20 +304,19 @@ class StudySweeper(Sweeper):
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         self.storage = default_storage(self.sweep_dir) if self.storage == "" else self.storage
         self.storage = self.storage and with_lock_timeout(self.storage)
-        try:
-            with study_lock(self.storage, self.study_name):
-                self.rdb = self.storage and rdb_storage(self.storage, self.heartbeat_s, self.grace_s)
+        with study_lock(self.storage, self.study_name):
+            self.rdb = self.storage and rdb_storage(self.storage, self.heartbeat_s, self.grace_s)
+            try:
                 study = uncached(optuna.create_study(study_name=self.study_name, storage=self.rdb, sampler=self.sampler,
                                                      pruner=self.pruner, directions=self.directions, load_if_exists=True))
-        except ValueError as error:  # the stored study has other directions
-            raise ConfigError(f"hydra.sweeper.direction={self.directions} does not fit the stored study "
-                              f"{self.study_name!r} ({error}); keep its directions, or start a new study with "
-                              "another hydra.sweeper.study_name.") from None
+            except ValueError as error:  # the stored study has other directions
+                raise misfit_error(self.study_name, [f"direction {'/'.join(self.directions)} here: {error}"]) from None
+            self.check_fit(study, space)
         # Trials run in their own processes and build the pruner from this attribute.
         pruner_cfg = self.config.hydra.sweeper.pruner
         study.set_user_attr("pruner", OmegaConf.to_container(pruner_cfg, resolve=True) if pruner_cfg else None)
-        if "optimized_metric" in self.config:  # the report names the objectives' columns after them
-            study.set_user_attr("objectives", [str(name) for name in as_list(self.config.optimized_metric)])
+        if self.objectives is not None:  # the report names the objectives' columns after them
+            study.set_user_attr("objectives", self.objectives)
         log.info("Study %r in %s: %d of %d trials done, %d running; sampler %s, pruner %s.", study.study_name,
                  self.storage or "memory", len(finished_trials(study)), self.n_trials, len(running_trials(study)),
                  type(study.sampler).__name__, type(self.pruner).__name__ if self.pruner else "none")
@@ -322,6 +327,20 @@ class StudySweeper(Sweeper):
             log.warning("hydra.sweeper.study_name is null: this run starts a new study, %r, that the next run of "
                         "the command will not continue; name the study to resume it.", study.study_name)
         return study
+
+    @property
+    def objectives(self) -> Optional[List[str]]:
+        return [str(name) for name in as_list(self.config.optimized_metric)] if "optimized_metric" in self.config else None
+
+    def check_fit(self, study, space: Dict[str, Any]) -> None:
+        """A stored study continues only with the search space, directions and objectives it was made
+        for (a raised n_trials just extends it); a new one stores them."""
+        wanted = purpose(space, self.custom_search_space, self.objectives)
+        differences = misfit(study, wanted, self.directions)
+        if differences:
+            raise misfit_error(study.study_name, differences)
+        if PURPOSE not in study.user_attrs:
+            study.set_user_attr(PURPOSE, wanted)
 
     def seeded_sampler(self, count: int):
         """The sampler for a draw in a study of ``count`` trials, seeded from its seed and that count: a
