@@ -76,12 +76,23 @@ def pretrain_if_missing(cfg: DictConfig) -> None:
     source, experiment = cfg.finetune["from"], cfg.finetune.pretrain
     if not (source and experiment) or has_checkpoint(source):
         return
-    log.info("finetune.from=%s holds no checkpoint yet, so finetune.pretrain runs first: python run.py experiment=%s",
-             source, experiment)
-    done = subprocess.run([sys.executable, str(RUN_PY), f"experiment={experiment}", f"paths.output_dir={cfg.paths.output_dir}"])
+    command = [f"experiment={experiment}", *budget_overrides(cfg)]
+    log.info("finetune.from=%s holds no checkpoint yet, so finetune.pretrain runs first: python run.py %s",
+             source, " ".join(command))
+    done = subprocess.run([sys.executable, str(RUN_PY), *command, f"paths.output_dir={cfg.paths.output_dir}"])
     if done.returncode or not has_checkpoint(source):
         raise ConfigError(f"finetune.pretrain={experiment} did not leave a checkpoint in finetune.from={source}; "
                           f"run python run.py experiment={experiment} yourself and read its error.")
+
+
+BUDGET_KEYS = ("max_epochs", "max_steps", "progress_bar")
+
+
+def budget_overrides(cfg: DictConfig) -> List[str]:
+    """The trainer budget this command line set (trainer.max_steps=1 in a smoke test): the pretraining
+    it starts keeps to it too."""
+    _, keys = command_line_overrides("trainer")
+    return [f"trainer.{key}={cfg.trainer[key]}" for key in BUDGET_KEYS if key in keys]
 
 
 def first_names(keys: List[str]) -> str:

@@ -1,3 +1,4 @@
+import contextlib
 import subprocess
 from pathlib import Path
 
@@ -42,9 +43,10 @@ def test_every_experiment_runs_in_one_sweep_on_a_fresh_clone(cli, user):
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = sorted(user.outputs.glob("*/multirun/*/*/metrics.json"))
     assert len(jobs) == len(list((REPO / "experiments").glob("*.yaml")))
-    assert "finetune.pretrain runs first: python run.py experiment=digits_pretrain" in result.stdout
+    assert ("finetune.pretrain runs first: python run.py experiment=digits_pretrain trainer.max_steps=1 "
+            "trainer.progress_bar=False") in result.stdout
     pretrained = user.runs("digits_pretrain")
-    assert len(pretrained) == 1 and read_metrics(pretrained[0])["epoch"] == 10  # a whole pretraining, not one step
+    assert len(pretrained) == 1 and read_metrics(pretrained[0])["step"] == 1  # the command line's budget
 
 
 def test_the_default_experiment_learns_digits(train):
@@ -108,8 +110,26 @@ def test_early_stopping_stops_a_run_that_does_not_improve(train):
     assert "early stopping" in (run_dir / "train.log").read_text()
 
 
-def test_bf16_autocast_trains_on_cpu(train):
-    metrics, _ = train("trainer.precision=bf16")
+@contextlib.contextmanager
+def linear_output_dtypes(seen: set):
+    """Records the dtype of every nn.Linear output computed with gradients (the training steps)."""
+    def hook(module, inputs, output):
+        if isinstance(module, torch.nn.Linear) and torch.is_grad_enabled():
+            seen.add(output.dtype)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("32", torch.float32)])
+def test_bf16_autocast_trains_on_cpu(train, precision, dtype):
+    seen = set()
+    with linear_output_dtypes(seen):
+        metrics, _ = train(f"trainer.precision={precision}", "device=cpu")
+    assert seen == {dtype}
     assert metrics["val/acc"] > 0.5
 
 
@@ -118,9 +138,38 @@ def test_fp16_without_cuda_is_refused(train):
         train("trainer.precision=fp16", "device=cpu")
 
 
-def test_gradient_clipping_bounds_the_update(train):
-    metrics, _ = train("trainer.gradient_clip_val=0.01", "trainer.max_epochs=1")
-    assert metrics["train/loss"] > 0
+@contextlib.contextmanager
+def update_norms(norms: list):
+    """Records, for every optimizer step, the norm of the change it made to the parameters, over the
+    step's learning rate (plain SGD: the norm of the gradient it applied)."""
+    def before(optimizer, args, kwargs):
+        optimizer.before = [p.detach().clone() for group in optimizer.param_groups for p in group["params"]]
+
+    def after(optimizer, args, kwargs):
+        params = [p.detach() for group in optimizer.param_groups for p in group["params"]]
+        change = torch.cat([(p - b).flatten() for p, b in zip(params, optimizer.before)])
+        norms.append(change.norm().item() / optimizer.param_groups[0]["lr"])
+
+    handles = [torch.optim.optimizer.register_optimizer_step_pre_hook(before),
+               torch.optim.optimizer.register_optimizer_step_post_hook(after)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@pytest.mark.parametrize("clip", [0.01, 0.0])
+def test_gradient_clipping_bounds_the_update(train, clip):
+    norms = []
+    plain_sgd = ["optimizer=sgd", "optimizer.momentum=0.0", "optimizer.nesterov=false", "scheduler=none", "lr=0.05"]
+    with update_norms(norms):
+        train(*plain_sgd, f"trainer.gradient_clip_val={clip}", "trainer.max_steps=5", "trainer.max_epochs=1")
+    assert len(norms) == 5
+    if clip:  # every update is the clipped gradient, at most clip long; the gradients were longer
+        assert max(norms) == pytest.approx(clip, rel=1e-3)
+    else:  # the control: unclipped, the same steps apply gradients far longer than 0.01
+        assert min(norms) > 10 * 0.01
 
 
 def test_metrics_json_is_one_flat_object(train):
