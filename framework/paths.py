@@ -60,7 +60,12 @@ def create_run_dir(path: str) -> str:
 
 def new_dir(path: str) -> str:
     """The ``runlab.new_dir`` resolver: Hydra resolves it in its own set-up, where an exception
-    would end in a traceback, so a failure ends the process with its one line here."""
+    would end in a traceback, so a failure ends the process with its one line here. Under torchrun
+    every rank is a Hydra app resolving it: the ranks but 0 take a name of their own, so that rank 0
+    gets the one a plain run would (the others adopt it, and remove theirs: parallel/distributed.py)."""
+    rank = os.environ.get("RANK", "0") if "TORCHELASTIC_RUN_ID" in os.environ else "0"
+    if rank != "0":
+        path = f"{path}.rank{rank}"
     try:
         created = create_run_dir(path)
     except RunlabError as error:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import shlex
 import signal
 import socket
@@ -235,6 +236,7 @@ def test_two_torchrun_nodes_on_localhost_equal_one_device_in_one_run_dir(referen
             if node.poll() is None:
                 os.killpg(node.pid, signal.SIGKILL)
     (run_dir,) = user.runs("train")  # node 1's rank used node 0's run dir and removed its own
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", run_dir.name)  # the name a plain run gets, no _1
     assert "rank 1 of 2 joined the group at 127.0.0.1" in (tmp_path / "node1.log").read_text()
     assert_same_training(run_dir, reference, tolerance=1e-5)
 
