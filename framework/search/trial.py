@@ -32,12 +32,23 @@ class NoTrial:
         return {}
 
 
+def route_optuna_logging() -> None:
+    """Optuna's own handler colours its lines with ANSI codes, also where they go to a file: its messages
+    go through the process's logging (Hydra's, in a run) instead."""
+    import optuna
+
+    optuna.logging.disable_default_handler()
+    optuna.logging.enable_propagation()
+
+
 class SweepTrial(NoTrial):
     def __init__(self, search: DictConfig, optimized_metric: Any):
         import optuna
         from hydra.utils import instantiate
 
         from framework.search.private_apis import trial_by_number
+
+        route_optuna_logging()
 
         study = optuna.load_study(study_name=search.study_name, storage=search.storage)
         pruner_cfg = study.user_attrs.get("pruner")
