@@ -111,14 +111,23 @@ class RunlabSchemaSource(ConfigSource):
     nodes: Dict[str, Any] = {}  # "name.yaml" -> the schema as a config; each built once per process
 
     def __init__(self, provider: str, path: str) -> None:
+        super().__init__(provider=provider, path=path)
+        self.load_schemas()  # Hydra builds its sources anew for each composition: a schema added since is served
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # A job's process (submitit, Ray) gets the config loader pickled, without this class's nodes.
+        self.__dict__.update(state)
+        self.load_schemas()
+
+    @classmethod
+    def load_schemas(cls) -> None:
         from omegaconf import OmegaConf
 
         from framework.config import schemas
 
-        super().__init__(provider=provider, path=path)
-        for name, schema in schemas().items():  # Hydra builds its sources anew for each composition
-            if f"{name}.yaml" not in self.nodes:
-                self.nodes[f"{name}.yaml"] = OmegaConf.structured(schema)
+        for name, schema in schemas().items():
+            if f"{name}.yaml" not in cls.nodes:
+                cls.nodes[f"{name}.yaml"] = OmegaConf.structured(schema)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "RunlabSchemaSource":
         # Hydra deep-copies its config repository before each composition (run.py --help: once per
