@@ -1,6 +1,6 @@
 """Where runs write (conf/paths/, conf/hydra/): one fresh dir per run, and a lock while it lives.
 
-Two resolvers are registered with the config schemas, before Hydra composes anything:
+Four resolvers are registered with the config schemas, before Hydra composes anything:
 
 - ``${runlab.cwd:}``: the directory the command was started in. Unlike ``${hydra:runtime.cwd}``
   it also resolves where Hydra has not set its config yet: a multirun driver resolves
@@ -11,6 +11,7 @@ Two resolvers are registered with the config schemas, before Hydra composes anyt
 - ``${runlab.study_dir:BASE,STUDY}``: a named study's sweep dir, ``BASE/STUDY``, so that the same
   command finds its study again; with no name (``study_name: null``, a new study every run) a new
   ``BASE/<date>_<time>`` as ``runlab.new_dir`` makes it.
+- ``${runlab.help:}``: the text of ``run.py --help`` (framework/help.py), from conf/config.yaml's comments.
 
 ``RunLock`` marks a run dir as live: ``run.lock`` holds the pid and host, under an ``flock``
 that the kernel releases when the process ends, however it ends (``kill -9`` included).
@@ -31,6 +32,7 @@ from typing import List, Optional, Set
 from omegaconf import OmegaConf
 
 from framework.errors import ConfigError, ResourceError, RunlabError, disk_full, exit_with, out_of_space
+from framework.help import text as help_text
 
 LOCK_FILE = "run.lock"
 RESOLVED_DIRS: List[Path] = []  # created by the runlab.new_dir resolver in this process
@@ -121,6 +123,7 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("runlab.cwd", os.getcwd, use_cache=True)
         OmegaConf.register_new_resolver("runlab.new_dir", new_dir, use_cache=True)
         OmegaConf.register_new_resolver("runlab.study_dir", study_dir, use_cache=True)
+        OmegaConf.register_new_resolver("runlab.help", lambda *, _root_: help_text(_root_))  # run.py --help (conf/hydra/default.yaml)
 
 
 HELD_LOCKS: Set = set()  # the run.lock files this process holds open

@@ -51,7 +51,7 @@ def main(cfg):
         "store_class": f"{type(ConfigStore.instance()).__module__}.{type(ConfigStore.instance()).__qualname__}",
         "store_deepcopy_patched": "__deepcopy__" in vars(ConfigStore),
         "framework_imported": any(name == "framework" or name.startswith("framework.") for name in sys.modules),
-        "runlab_resolvers": [name for name in ("runlab.cwd", "runlab.new_dir", "runlab.study_dir") if OmegaConf.has_resolver(name)],
+        "runlab_resolvers": [name for name in ("runlab.cwd", "runlab.new_dir", "runlab.study_dir", "runlab.help") if OmegaConf.has_resolver(name)],
         "runlab_installed": importlib.util.find_spec("framework") is not None,
         "search_path_plugins": sorted(plugin.__module__ for plugin in Plugins.instance().discover(SearchPathPlugin)),
         "greeting": cfg.greeting,
