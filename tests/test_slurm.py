@@ -46,6 +46,16 @@ def test_without_slurm_launcher_slurm_says_how_to_run_the_jobs_here(cli):
     assert "sbatch and srun, which are not on PATH here" in line and "hydra.launcher.cluster=local" in line
 
 
+def test_a_run_on_the_local_cluster_ends_with_its_result_and_run_dir(cli, user):
+    done = cli("launcher=slurm", "hydra.launcher.cluster=local", *TINY)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (sweep,) = (user.outputs / "train" / "multirun").iterdir()
+    metrics = read_metrics(sweep / "0")
+    assert done.stdout.splitlines()[-1].startswith(f"Best job #0: val/acc {metrics['val/acc']:.4g} with ")
+    assert done.stdout.splitlines()[-1].endswith(f"its run dir: {(sweep / '0').relative_to(user.repo)}")
+    assert [path.name for path in (sweep / ".submitit").iterdir() if "%" in path.name] == []
+
+
 @pytest.mark.timeout(400)
 def test_a_sweep_runs_as_jobs_and_a_requeued_trial_continues_from_its_checkpoint(user, tmp_path):
     args = ["search=random", "launcher=slurm", "hydra.launcher.cluster=local", "hydra.sweeper.n_trials=2",

@@ -30,7 +30,9 @@ class SlurmOrLocalLauncher(BaseSubmititLauncher):
         if cluster not in CLUSTERS:  # in Hydra's machinery, which would print a traceback
             exit_with(ConfigError(f"hydra.launcher.cluster={cluster!r} is not allowed; choose slurm, or local to run "
                                   "the jobs as processes on this machine."))
-        super().__init__(**(params if cluster == "slurm" else {k: v for k, v in params.items() if k in LOCAL_KEYS}))
+        if cluster == "local":  # submitit's local executor makes the folder as named, %j and all: one folder for all
+            params = {k: v.replace("/%j", "") if k == "submitit_folder" else v for k, v in params.items() if k in LOCAL_KEYS}
+        super().__init__(**params)
         self.cluster = cluster
         set_submitit_executor(self, cluster)  # also the prefix of submitit's executor-specific settings
 
