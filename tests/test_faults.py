@@ -256,9 +256,12 @@ def test_a_killed_runs_lock_is_not_held_by_the_workers_it_forked(tmp_path):
     script = ("import os, sys, time\n"
               "from framework.paths import RunLock\n"
               "with RunLock(sys.argv[1]):\n"
+              "    started, ready = os.pipe()\n"
               "    if os.fork() == 0:\n"
+              "        os.write(ready, b'x')\n"  # the fork hooks have run in the child by now
               "        time.sleep(30)\n"  # a worker that outlives its parent
               "        os._exit(0)\n"
+              "    os.read(started, 1)\n"
               "    print('locked', flush=True)\n"
               "    time.sleep(60)\n")
     run = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
