@@ -431,9 +431,11 @@ class PathsConfig:
 class SearchConfig:
     """A run's place in a sweep (conf/search/ picks the sweep; hydra/sweeper=runlab fills these in)."""
 
-    study_name: str = ""  # set per trial by the sweeper, with storage and trial
-    storage: str = ""  # the study's SQLAlchemy URL
-    trial: int = -1  # the Optuna trial number; -1: not a trial
+    # Set per trial by the sweeper through the job's environment (hydra.job.env_set), which Hydra leaves
+    # out of the override lines it prints: plumbing, not what the trial tries.
+    study_name: str = "${oc.env:RUNLAB_STUDY_NAME,''}"
+    storage: str = "${oc.env:RUNLAB_STORAGE,''}"  # the study's SQLAlchemy URL
+    trial: int = "${oc.env:RUNLAB_TRIAL,-1}"  # the Optuna trial number; -1: not a trial
     num_threads: int = 0  # torch threads for this run (parallel trials set 1); 0: torch's default
 
 

@@ -93,6 +93,7 @@ def test_the_pruner_hears_every_validation(cli, user):
         steps = [step for (step,) in db.execute("select step from trial_intermediate_values order by step")]
     validations = validation_steps(study.parent / "0")  # every 4 steps, and at the epoch's end
     assert "\x1b[" not in result.stdout + result.stderr + (study.parent / "0" / "train.log").read_text()  # no colour codes
+    assert "search.storage" not in result.stdout and "RUNLAB_" not in result.stdout  # nor plumbing in the override lines
     assert len(validations) > 3 and steps == list(range(1, len(validations) + 1))
 
 

@@ -461,9 +461,9 @@ class StudySweeper(Sweeper):
     def trial_overrides(self, trial, fixed: List[str], rerun: bool) -> List[str]:
         overrides = [*(f"{name}={value}" for name, value in trial.params.items()), *fixed]
         if self.runlab_app and self.storage is not None:
-            # The trial finds its study through these, to report epochs and ask whether to stop.
-            overrides += [f"search.study_name='{trial.study.study_name}'", f"search.storage='{self.storage}'",
-                          f"search.trial={trial.number}"]
+            # The trial finds its study through these (search.*), to report validations and ask whether to stop.
+            overrides += [f"hydra.job.env_set.RUNLAB_STUDY_NAME='{trial.study.study_name}'",
+                          f"hydra.job.env_set.RUNLAB_STORAGE='{self.storage}'", f"hydra.job.env_set.RUNLAB_TRIAL={trial.number}"]
         if rerun and self.runlab_app:
             overrides.append("resume=auto")  # its own run dir: continue from the last.pt its first run wrote
         return overrides
