@@ -4,7 +4,7 @@ A data option names a factory in ``_target_``; ``build_data`` calls it through
 ``hydra.utils.instantiate`` with the option's own keys (not the loader's, ``DataConfig``) and
 gets a ``DataBundle``: train, val and test ``torch.utils.data.Dataset``s (map-style or
 iterable), with the class names when the targets are classes. A user's factory in a package of
-their own works the same way (``data._target_=mypkg.data.make``, README "Your own model and data").
+their own works the same way (``data._target_=mypkg.data.make``, docs/data.md).
 
 runlab builds the batches. Map-style datasets follow a ``BatchPlan``: each epoch's order is a
 pure function of seed and epoch, sharded per process, which is why a resumed run replays

@@ -1,7 +1,7 @@
 """What can stop a run that the user can act on, and how the process ends when it does.
 
 Every such error is a ``RunlabError``: its message is one sentence for the user, and its
-class sets the exit code (the README's table). ``exit_with`` is the one place that turns
+class sets the exit code (the table in docs/config.md). ``exit_with`` is the one place that turns
 one into the end of the process: the sentence goes to stderr once and into the run's log
 file, with no traceback before it (``HYDRA_FULL_ERROR=1`` re-raises it instead).
 """

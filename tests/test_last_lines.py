@@ -12,16 +12,19 @@ def messages(result):
 
 
 def test_a_max_steps_stop_and_its_resume_number_the_step_alike(cli, user):
-    stopped = cli("trainer.max_steps=5", "trainer.max_epochs=2", *QUICK)
+    stopped = cli("trainer.max_steps=5", "trainer.max_epochs=2", "trainer.progress_bar=false")
     assert stopped.returncode == 0, stopped.stderr[-2000:]
     lines = messages(stopped)
     assert any(re.fullmatch(r"epoch 1  step 5  train/loss .*", line) for line in lines), lines
     assert "Stopped: reached trainer.max_steps=5, at step 5 (epoch 1), after" in "\n".join(lines)
     (first,) = user.runs()
-    resumed = cli("trainer.max_epochs=2", *QUICK, "resume=auto")
+    resumed = cli("trainer.max_epochs=2", "trainer.progress_bar=false", "resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"Resumed from {first.relative_to(user.repo)}/checkpoints/last.pt at step 5 (epoch 1)." in messages(resumed)
-    assert read_metrics(user.runs()[-1])["step"] == 38
+    second = user.runs()[-1]
+    assert read_metrics(second)["step"] == 38
+    # One TensorBoard run for the training: the resumed run logs on in the first one's.
+    assert (second / "tensorboard").resolve() == (first / "tensorboard").resolve()
 
 
 def test_the_oom_injection_and_the_graph_trace_print_no_raw_warning(cli):

@@ -6,7 +6,7 @@ where that process runs, how it wraps the model and how it talks to the others. 
 the training loop never import ``torch.distributed``.
 
 - none:  one process, one device.
-- dp:    ``nn.DataParallel`` over the visible GPUs (one process; see README for its costs).
+- dp:    ``nn.DataParallel`` over the visible GPUs (one process; see docs/parallelism.md for its costs).
 - ddp:   ``DistributedDataParallel``, one process per device (distributed.py).
 - model: the model's stages on several devices, pipelined GPipe-style (pipeline.py).
 """

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import logging
 import math
 from pathlib import Path
@@ -55,11 +56,18 @@ def trial_rows(study) -> List[Dict[str, object]]:
         row = {"number": trial.number, "state": trial.state.name}
         row.update(zip(objectives, trial.values or [trial.value] * len(objectives)))
         row["seconds"] = None if seconds is None else round(seconds, 1)
+        row["best epoch"] = best_epoch(trial)
         row.update({name: trial.params.get(name) for name in names})
         stopped = trial.user_attrs.get(STOPPED)
         row["error"] = trial.user_attrs.get("error") or (f"stopped: {stopped}; it runs again with the sweep" if stopped else "")
         rows.append(row)
     return rows
+
+
+def best_epoch(trial) -> Optional[int]:
+    """The epoch of the trial's best validation, from its run's metrics.json (None before it finished)."""
+    metrics = Path(trial.user_attrs.get("run_dir", "")) / "metrics.json"
+    return json.loads(metrics.read_text()).get("best_epoch") if metrics.is_file() else None
 
 
 def best_trial(study):
