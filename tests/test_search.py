@@ -139,7 +139,7 @@ def assert_every_trial_in_hparams_tab(directory: Path, rows) -> None:
         sessions[start.group_name] = start.hparams
     assert len(sessions) == len(rows)
     for row in rows:
-        params = sorted(set(row) - {"number", "state", "value", "seconds", "error"})  # the report's param columns
+        params = sorted(set(row) - {"number", "state", "value", "seconds", "best epoch", "error"})  # the param columns
         swept = " ".join(f"{name}={float(row[name]):.3g}" for name in params)
         hparams = sessions[f"trial {row['number']} {swept}"]
         assert hparams["optimizer.weight_decay"].number_value == pytest.approx(float(row["optimizer.weight_decay"]))

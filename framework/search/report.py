@@ -3,7 +3,7 @@
     python -m framework.search.report SWEEP_DIR [--export-dir experiments]
 
 - ``trials.csv`` and the same table on the terminal: number, state, value (one column per
-  objective when there are several), seconds, params, error;
+  objective when there are several), seconds, best epoch, params, error;
 - ``optimization_results.yaml``, as hydra-optuna-sweeper writes it (best params and value, or
   the Pareto front's params and values);
 - one objective: ``optimization_history.png``, ``parallel_coordinates.png``,
