@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+BENCHMARKS = Path(__file__).resolve().parent
+RESULTS = BENCHMARKS / "RESULTS.md"
 
 
 class Tee(io.TextIOBase):
@@ -34,7 +35,7 @@ class Tee(io.TextIOBase):
 
 def commit() -> str:
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=RESULTS.parent, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", *args], cwd=BENCHMARKS, capture_output=True, text=True).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
     return f"{head}{' with uncommitted changes' if git('status', '--porcelain', '--untracked-files=no') else ''}"
@@ -54,7 +55,7 @@ def recorded() -> Iterator[None]:
     tee = Tee(sys.stdout)
     with contextlib.redirect_stdout(tee):
         yield
-    command = shlex.join(["python", os.path.relpath(sys.argv[0], RESULTS.parent.parent), *sys.argv[1:]])
+    command = shlex.join(["python", os.path.relpath(Path(sys.argv[0]).resolve(), BENCHMARKS.parent), *sys.argv[1:]])
     stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     section = (f"\n### `{command}`\n\n{stamp}, commit {commit()}; {machine()}.\n\n"
                f"```text\n{tee.copy.getvalue().rstrip()}\n```\n")
