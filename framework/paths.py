@@ -27,9 +27,10 @@ import shutil
 import socket
 from datetime import datetime
 from pathlib import Path
-from typing import List, Optional, Set
+from typing import Any, List, Optional, Set
 
-from omegaconf import OmegaConf
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 
 from framework.errors import ConfigError, ResourceError, RunlabError, disk_full, exit_with, out_of_space
 from framework.help import text as help_text
@@ -106,15 +107,29 @@ def study_dir(base: str, study_name: Optional[str]) -> str:
     return f"{base}/{study_name}" if study_name else new_dir(f"{base}/{datetime.now():%Y-%m-%d_%H-%M-%S}")
 
 
-def unusable_dir(path: Path, error: OSError) -> str:
+def unusable_dir(path: Path, error: OSError, key: str = "paths.output_dir") -> str:
+    """What to do about a run dir that cannot be made; ``key``: the setting that chose it."""
     path = shown(path)
     if error.errno == errno.ENAMETOOLONG:
         return (f"the run dir {path} is too long for the file system ({error.strerror}); "
-                "choose a shorter name (or paths.output_dir).")
+                f"choose a shorter name (or {key}).")
     if error.errno == errno.ENOSPC:
-        return f"no space left on device to create the run dir {path}; free some space or choose another paths.output_dir."
+        return f"no space left on device to create the run dir {path}; free some space or choose another {key}."
     return (f"cannot create the run dir {path} ({error.strerror}); "
-            "choose a writable paths.output_dir, or fix the permissions of that folder.")
+            f"choose a writable {key}, or fix the permissions of that folder.")
+
+
+class UsableRunDir(Callback):
+    """A hydra.run.dir set by hand (the default goes through runlab.new_dir, which makes it): Hydra makes it
+    after this callback, and ends in its own tracebacks when it cannot, so the run ends here in one line."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        path = Path(str(config.hydra.run.dir))
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            kind = ResourceError if error.errno == errno.ENOSPC else ConfigError
+            exit_with(kind(unusable_dir(path, error, key="hydra.run.dir")))
 
 
 def register_resolvers() -> None:

@@ -331,6 +331,13 @@ def test_a_name_too_long_for_the_file_system_is_one_line(cli, user):
     assert "is too long for the file system" in line and "choose a shorter name" in line
 
 
+def test_a_hydra_run_dir_that_cannot_be_made_is_one_line(cli, user):
+    line = one_line_error(cli("hydra.run.dir=/proc/relrun"))
+    assert line == ("runlab: error: cannot create the run dir /proc/relrun (No such file or directory); choose a "
+                    "writable hydra.run.dir, or fix the permissions of that folder.")
+    assert not user.outputs.exists()
+
+
 def test_an_unwritable_run_dir_is_one_line(user):
     if not mount_namespaces_work(user):
         pytest.skip("this machine cannot make a private mount namespace (unshare -rm)")
