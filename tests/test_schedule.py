@@ -17,6 +17,7 @@ from framework import checkpoint as checkpoint_module
 from framework.checkpoint import load_checkpoint
 from framework.errors import ConfigError
 from test_faults import wait_for
+from test_parallel import gone, worker_pids
 from test_training import assert_same_weights, final_weights
 
 RUN = ["trainer.max_epochs=2", "model.dropout=0.2", "early_stopping.enabled=false", "logger=csv"]  # 19 steps an epoch
@@ -121,8 +122,11 @@ def test_kill_9_after_a_mid_epoch_checkpoint_then_resume_auto_gives_the_uninterr
     log = tmp_path / "first.log"
     process = user.start(shlex.join(["python", "run.py", *args]), log)
     wait_for(lambda: saved_mid_epoch(lambda: user.outputs.glob("killed/*/checkpoints/last.pt")), process, log)
-    os.killpg(process.pid, signal.SIGKILL)  # the run and, under ddp, its workers
+    workers = worker_pids(process.pid) if parallel == "ddp" else []
+    assert len(workers) == (2 if parallel == "ddp" else 0)
+    os.killpg(process.pid, signal.SIGKILL)  # the run; ddp's workers, in groups of their own, follow their parent
     assert process.wait(timeout=60) == -signal.SIGKILL
+    assert all(gone(pid) for pid in workers), "a ddp worker outlived its launcher"
     (first,) = user.runs("killed")
     assert not (first / "metrics.json").exists()
     resumed = cli(*args, "resume=auto", timeout=200)
