@@ -38,7 +38,10 @@ def commit() -> str:
         return subprocess.run(["git", *args], cwd=BENCHMARKS, capture_output=True, text=True).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return f"{head}{' with uncommitted changes' if git('status', '--porcelain', '--untracked-files=no') else ''}"
+    # RESULTS.md itself changes with every recorded run: it does not make the measured code differ.
+    changed = [line for line in git("status", "--porcelain", "--untracked-files=no").splitlines()
+               if not line.endswith(RESULTS.name)]
+    return f"{head}{' with uncommitted changes' if changed else ''}"
 
 
 def machine() -> str:
