@@ -298,9 +298,9 @@ class StudySweeper(Sweeper):
     def open_study(self, space: Dict[str, Any]):
         import optuna
 
-        # Optuna's own handler colours its lines with ANSI codes: its messages go through Hydra's logging instead.
-        optuna.logging.disable_default_handler()
-        optuna.logging.enable_propagation()
+        from framework.search.trial import route_optuna_logging
+
+        route_optuna_logging()
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         self.storage = default_storage(self.sweep_dir) if self.storage == "" else self.storage
         self.storage = self.storage and with_lock_timeout(self.storage)
