@@ -15,6 +15,7 @@ the keys every option of its group shares (``DataConfig``), and groups without a
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -70,8 +71,9 @@ class Option:
     option: ClassVar[str] = ""  # how a user selects it, e.g. "data=digits"
 
 
-# Every option of data, objective, logger and parallel, by group and name; conf/<group>/<name>.yaml extends it.
-OPTIONS: Dict[str, Dict[str, type]] = {"data": {}, "objective": {}, "logger": {}, "parallel": {}}
+# Every option of every group, by group and name; conf/<group>/<name>.yaml extends it.
+OPTIONS: Dict[str, Dict[str, type]] = {group: {} for group in ("data", "objective", "model", "optimizer", "scheduler",
+                                                                "logger", "parallel")}
 # The schemas conf/ extends by name; runlab's own config source serves them (hydra_plugins/runlab_config),
 # only in runlab's app: Hydra's ConfigStore is every app's, and another app must not see them.
 SCHEMAS: Dict[str, Any] = {}
@@ -267,6 +269,131 @@ class ModelLossObjectiveConfig(ObjectiveConfig):
     perplexity: bool = MISSING
 
 
+# --- model (framework/model.py): _target_ is an nn.Module class or function, called with the option's
+# keys and, where it takes them, the data's input_shape and num_classes ------------------------
+
+@dataclass
+class CustomModelConfig(Option):
+    """model=custom: a module of the user's own (``model._target_=mypkg.MyNet +model.hidden=64``); its
+    YAML is untyped, and ``validate`` checks its keys against the constructor's signature instead."""
+
+
+CustomModelConfig.option = "model=custom"
+OPTIONS["model"]["custom"] = CustomModelConfig
+
+
+@option("model", "mlp")
+@dataclass
+class MLPModelConfig(Option):
+    _target_: str = "framework.model.MLP"
+    width: int = MISSING
+    depth: int = MISSING
+    dropout: float = MISSING
+    batch_norm: bool = MISSING
+
+
+@option("model", "cnn")
+@dataclass
+class CNNModelConfig(Option):
+    _target_: str = "framework.model.CNN"
+    channels: List[int] = MISSING
+    width: int = MISSING
+    dropout: float = MISSING
+    batch_norm: bool = MISSING
+
+
+@option("model", "resnet")
+@dataclass
+class ResNetModelConfig(Option):
+    _target_: str = "framework.model.ResNet"
+    width: int = MISSING
+    stages: int = MISSING
+    blocks_per_stage: int = MISSING
+
+
+@option("model", "char_lm")
+@dataclass
+class CharLMModelConfig(Option):
+    _target_: str = "framework.model.CharLM"
+    width: int = MISSING
+    depth: int = MISSING
+    dropout: float = MISSING
+
+
+@option("model", "torchvision")
+@dataclass
+class TorchvisionModelConfig(Option):
+    _target_: str = "framework.model.torchvision_model"
+    name: str = MISSING
+
+
+@option("model", "timm")
+@dataclass
+class TimmModelConfig(Option):
+    _target_: str = "framework.model.timm_model"
+    name: str = MISSING
+
+
+# --- optimizer (framework/optimizer.py): _target_ is a torch.optim class, built with params= ----
+
+@dataclass
+class OptimizerConfig(Option):
+    lr: float = II("lr")  # one learning rate, the top-level lr: what the run records and a sweep changes
+    weight_decay: float = MISSING
+
+
+@option("optimizer", "adamw")
+@dataclass
+class AdamWOptimizerConfig(OptimizerConfig):
+    _target_: str = "torch.optim.AdamW"
+
+
+@option("optimizer", "adam")
+@dataclass
+class AdamOptimizerConfig(OptimizerConfig):
+    _target_: str = "torch.optim.Adam"
+
+
+@option("optimizer", "sgd")
+@dataclass
+class SGDOptimizerConfig(OptimizerConfig):
+    _target_: str = "torch.optim.SGD"
+    momentum: float = MISSING
+    nesterov: bool = MISSING
+
+
+# --- scheduler (framework/scheduler.py): _target_ is a torch LR scheduler, built with optimizer=
+# and stepped every ``interval``, runlab's own key -------------------------------------------
+
+Interval = closed("Interval", "epoch", "step")
+
+
+@option("scheduler", "none")
+@dataclass
+class NoneSchedulerConfig(Option):
+    _target_: str = "framework.scheduler.constant"
+
+
+@dataclass
+class SchedulerConfig(Option):
+    interval: Interval = MISSING  # step after every epoch, or after every optimizer step
+
+
+@option("scheduler", "cosine")
+@dataclass
+class CosineSchedulerConfig(SchedulerConfig):
+    _target_: str = "torch.optim.lr_scheduler.CosineAnnealingLR"
+    T_max: int = MISSING
+
+
+@option("scheduler", "step")
+@dataclass
+class StepSchedulerConfig(SchedulerConfig):
+    _target_: str = "torch.optim.lr_scheduler.StepLR"
+    step_size: int = MISSING
+    gamma: float = MISSING
+
+
 # --- logger (framework/logger.py): _target_ is a logger.Logger; its from_config builds it -----
 
 @option("logger", "none")
@@ -340,17 +467,18 @@ class ModelParallelConfig(ParallelConfig):
     split: List[int] = MISSING
 
 
-def schema_of(node: DictConfig) -> Optional[type]:
+def schema_of(node: DictConfig, group: str = "") -> Optional[type]:
     """The schema of the option a group's config is (by its ``_target_``, which survives a
-    checkpoint or a ddp worker's copy); None for a ``_target_`` of the user's own."""
-    target = node.get("_target_")
-    return next((schema for options in OPTIONS.values() for schema in options.values()
-                 if schema._target_ == target), None)
+    checkpoint or a ddp worker's copy); None for a ``_target_`` of the user's own. ``_target_``
+    still ``???`` is the group's custom option's."""
+    target = MISSING if OmegaConf.is_missing(node, "_target_") else node.get("_target_")
+    groups = [OPTIONS[group]] if group in OPTIONS else OPTIONS.values()
+    return next((schema for options in groups for schema in options.values() if schema._target_ == target), None)
 
 
 def chosen(group: str, node: DictConfig) -> str:
     """How the user selected this option, for messages: ``data=digits``."""
-    schema = schema_of(node)
+    schema = schema_of(node, group)
     return schema.option if schema else f"{group}._target_={node.get('_target_')}"
 
 
@@ -456,7 +584,7 @@ class RunConfig:
     objective: Any = MISSING
     model: Any = MISSING
     optimizer: Any = MISSING
-    scheduler: Any = None
+    scheduler: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallel: Any = MISSING
     logger: Any = MISSING
@@ -484,13 +612,59 @@ def _one_of(key: str, value: Any, allowed: tuple) -> None:
     _require(value in allowed, f"{key}={value!r} is not allowed; choose one of {', '.join(map(str, allowed))}.")
 
 
-def _importable(key: str, target: str) -> None:
+def _importable(key: str, target: str) -> Any:
     module_name, _, attr = target.rpartition(".")
     try:
-        module = importlib.import_module(module_name)
-        getattr(module, attr)
+        return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError):
         raise ConfigError(f"{key}={target!r} cannot be imported; give a full dotted path to a class or function.") from None
+
+
+def accepted_keys(target: Any) -> Optional[List[str]]:
+    """The keyword arguments ``target`` takes, in its signature's order; None when it takes ``**kwargs``
+    (or has no signature Python can read), so that any key may be right."""
+    try:
+        parameters = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return [p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+
+
+# What runlab passes a group's _target_ itself when it builds it (model.model_spec, optimizer.build_optimizer,
+# scheduler.build_scheduler), and the keys of a group's option that are runlab's rather than the target's.
+RUNTIME_ARGUMENTS = {"model": ("input_shape", "num_classes"), "optimizer": ("params",), "scheduler": ("optimizer",),
+                     "objective": ("output_size",)}
+RUNLAB_KEYS = {"scheduler": ("interval",), "data": tuple(LOADER_KEYS), "objective": ("monitor",)}
+
+
+def _validate_arguments(key: str, node: DictConfig, runtime: Sequence[str] = (), runlabs: Sequence[str] = ()) -> None:
+    """A ``_target_`` node's keys that its target does not take, refused before it is called: Hydra would
+    call it and end in a TypeError traceback, after the work done before (a user's own target, or a
+    shipped one given a key with ``+``)."""
+    accepted = accepted_keys(_importable(f"{key}._target_", node._target_))
+    if accepted is None:
+        return
+    unknown = [k for k in node if not k.startswith("_") and k not in runlabs and k not in accepted]
+    if not unknown:
+        return
+    takes = [k for k in accepted if k not in runtime]
+    passed = [k for k in runtime if k in accepted]
+    schema = OmegaConf.get_type(node)
+    own = " (for a module of your own, start from model=custom)" if key == "model" and getattr(schema, "option", "") \
+        and schema._target_ != node._target_ else ""
+    raise ConfigError(f"{', '.join(f'{key}.{k}' for k in unknown)} {'is not an argument' if len(unknown) == 1 else 'are not arguments'}"
+                      f" of {node._target_}{own}; its arguments are: {', '.join(takes) if takes else 'none'}"
+                      f"{' (and ' + ', '.join(passed) + ', which runlab passes)' if passed else ''}.")
+
+
+def _validate_targets(cfg: DictConfig) -> None:
+    for group in ("model", "optimizer", "scheduler", "data", "objective"):
+        _validate_arguments(group, cfg[group], RUNTIME_ARGUMENTS.get(group, ()), RUNLAB_KEYS.get(group, ()))
+    loss = cfg.objective.get("loss")
+    if isinstance(loss, DictConfig) and "_target_" in loss:
+        _validate_arguments("objective.loss", loss)
 
 
 def known_metrics(cfg: DictConfig) -> Dict[str, str]:
@@ -531,9 +705,10 @@ def validate(cfg: DictConfig) -> None:
     _validate_checkpoint(cfg.checkpoint)
     _validate_parallel(cfg.parallel)
     _validate_troubleshoot(cfg.troubleshoot)
-    for group in ("model", "optimizer", "data", "objective", "logger", "parallel"):
+    for group in ("model", "optimizer", "scheduler", "data", "objective", "logger", "parallel"):
         _require(isinstance(cfg[group], DictConfig) and "_target_" in cfg[group], f"{group} has no _target_; pick one with {group}=NAME.")
         _importable(f"{group}._target_", cfg[group]._target_)
+    _validate_targets(cfg)
     _validate_one_lr(cfg)
     _validate_objective(cfg.objective)
     known = known_metrics(cfg)
@@ -543,9 +718,6 @@ def validate(cfg: DictConfig) -> None:
              f"early_stopping.min_delta={cfg.early_stopping.min_delta} is invalid; it must be a finite number, 0 or more.")
     _validate_objectives(cfg.optimized_metric, [*known, f"best/{cfg.checkpoint.monitor}"])
     _validate_model(cfg.model)
-    if cfg.scheduler is not None:
-        _one_of("scheduler.interval", cfg.scheduler.interval, ("epoch", "step"))
-        _importable("scheduler.build._target_", cfg.scheduler.build._target_)
     _validate_search(cfg.search)
     _require(cfg.resume in ("", "auto") or Path(cfg.resume).is_file(), f"resume={cfg.resume!r} is neither 'auto' nor an existing checkpoint file.")
     if cfg.task in ("eval", "export"):

@@ -17,6 +17,7 @@ from typing import Any, Dict, Iterator, List, Optional, Union
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
+from framework import config
 from framework.config import CONF_DIR, metric_value, validate
 from framework.errors import ConfigError, Interrupted, RunLogHandler, RunlabError, error_from_exit, exit_with
 from framework.paths import create_run_dir
@@ -86,18 +87,27 @@ def composition_error(error: Exception) -> str:
     """Hydra's message for a config it could not compose (what the command line prints), on one line;
     a value outside a closed set, or a key the selected option does not have, in runlab's words."""
     cause = error.__cause__
-    key = getattr(cause, "full_key", None)
-    closed = re.search(r"Invalid value '(.*)', expected one of \[(.*)\]", str(cause or error))
+    # A mistake in a config file (an experiment YAML) reaches here as Hydra's text alone, without its cause.
+    text = str(cause or error)
+    key = getattr(cause, "full_key", None) or _named(r"full_key: (\S+)", text)
+    closed = re.search(r"Invalid value '(.*)', expected one of \[(.*)\]", text)
     if key and closed:
         return f"{key}={closed[1]!r} is not allowed; choose one of {closed[2]}."
-    schema = getattr(cause, "object_type", None)
-    if key and isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and getattr(schema, "option", ""):
+    schema = getattr(cause, "object_type", None) or getattr(config, _named(r"object_type=(\w+)", text) or "", None)
+    unknown = isinstance(cause, (ConfigAttributeError, ConfigKeyError)) or re.search(r"Key '.*' not in '", text)
+    if key and unknown and dataclasses.is_dataclass(schema):
         keys = field_names(schema)
-        return f"{key} is not a key of {schema.option}; " + (f"its keys are: {', '.join(keys)}." if keys else "it has none to set.")
+        where = getattr(schema, "option", "") or key.rpartition(".")[0]  # an option's (model=cnn), or a block's (trainer)
+        return f"{key} is not a key of {where}; " + (f"its keys are: {', '.join(keys)}." if keys else "it has none to set.")
     text = str(error).split("Config search path:")[0]  # where Hydra looked: the same for every run
     if cause:
         text += f" ({str(cause).splitlines()[0]})"
     return " ".join(text.split())
+
+
+def _named(pattern: str, text: str) -> Optional[str]:
+    found = re.search(pattern, text)
+    return found[1] if found else None
 
 
 def field_names(schema: type) -> List[str]:

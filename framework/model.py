@@ -11,8 +11,6 @@ when the optional extra of that name is installed.
 from __future__ import annotations
 
 import importlib
-import inspect
-import logging
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -21,9 +19,8 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from framework.config import accepted_keys
 from framework.errors import ConfigError, instantiate
-
-log = logging.getLogger(__name__)
 
 
 def _dense_block(width_in: int, width_out: int, dropout: float, batch_norm: bool) -> nn.Sequential:
@@ -39,8 +36,8 @@ def _dense_block(width_in: int, width_out: int, dropout: float, batch_norm: bool
 class MLP(nn.Sequential):
     head_name = "head"
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int, width: int = 256, depth: int = 2,
-                 dropout: float = 0.0, batch_norm: bool = False):
+    def __init__(self, input_shape: Sequence[int], num_classes: int, *, width: int, depth: int, dropout: float,
+                 batch_norm: bool):
         stages: "OrderedDict[str, nn.Module]" = OrderedDict(flatten=nn.Flatten())
         width_in = int(torch.tensor(input_shape).prod())
         for i in range(depth):
@@ -63,8 +60,8 @@ class CNN(nn.Sequential):
 
     head_name = "head"
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int, channels: Sequence[int] = (32, 64),
-                 width: int = 128, dropout: float = 0.0, batch_norm: bool = False):
+    def __init__(self, input_shape: Sequence[int], num_classes: int, *, channels: Sequence[int], width: int,
+                 dropout: float, batch_norm: bool):
         channels_in, height, width_px = input_shape
         stages: "OrderedDict[str, nn.Module]" = OrderedDict()
         for i, channels_out in enumerate(channels):
@@ -100,8 +97,7 @@ class ResNet(nn.Sequential):
 
     head_name = "head"
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int, width: int = 32, stages: int = 2,
-                 blocks_per_stage: int = 1):
+    def __init__(self, input_shape: Sequence[int], num_classes: int, *, width: int, stages: int, blocks_per_stage: int):
         channels_in = input_shape[0]
         layers: "OrderedDict[str, nn.Module]" = OrderedDict(
             stem=nn.Sequential(nn.Conv2d(channels_in, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()))
@@ -125,8 +121,7 @@ class CharLM(nn.Module):
 
     head_name = "head"
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int, width: int = 128, depth: int = 1,
-                 dropout: float = 0.0):
+    def __init__(self, input_shape: Sequence[int], num_classes: int, *, width: int, depth: int, dropout: float):
         super().__init__()
         self.embedding = nn.Embedding(num_classes, width)
         self.rnn = nn.GRU(width, width, num_layers=depth, batch_first=True, dropout=dropout if depth > 1 else 0.0)
@@ -180,32 +175,18 @@ def timm_model(name: str, num_classes: int, input_shape: Sequence[int]) -> nn.Mo
 EXTRA_BUILDERS = {"framework.model.torchvision_model": "torchvision", "framework.model.timm_model": "timm"}
 
 
-def accepted_keys(target: Any) -> Optional[set]:
-    """The keyword arguments ``target`` takes, or None when it takes ``**kwargs``."""
-    parameters = inspect.signature(target).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return None
-    return {p.name for p in parameters}
-
-
 def model_spec(model_cfg: DictConfig, input_shape: Optional[Tuple[int, ...]], num_classes: int) -> Dict[str, Any]:
     """The full constructor call as a plain dict: saved in checkpoints so a model rebuilds from them alone.
 
-    ``input_shape`` and ``num_classes`` come from the data unless the config sets them. With
-    ``model._target_=mypkg.MyNet`` the group's other keys (width, depth, ...) may not fit the
-    user's constructor: those it does not accept are dropped, with a warning naming them.
+    ``input_shape`` and ``num_classes`` come from the data, unless the config sets them, where the
+    constructor takes them (its other keys were checked against it before any work: ``validate``).
     """
     spec = OmegaConf.to_container(model_cfg, resolve=True)
-    if input_shape is not None:  # None: the data's inputs have no one shape (the model sizes itself)
-        spec.setdefault("input_shape", list(input_shape))
-    spec.setdefault("num_classes", num_classes)
     accepted = accepted_keys(get_object(spec["_target_"]))
-    if accepted is not None:
-        dropped = sorted(k for k in model_cfg if not k.startswith("_") and k not in accepted)
-        if dropped:
-            log.warning("model._target_=%s does not take %s; leaving them out.", spec["_target_"], ", ".join(dropped))
-        spec = {k: v for k, v in spec.items() if k.startswith("_") or k in accepted}
-    return spec
+    runtime = {"num_classes": num_classes}
+    if input_shape is not None:  # None: the data's inputs have no one shape (the model sizes itself)
+        runtime["input_shape"] = list(input_shape)
+    return {**spec, **{k: v for k, v in runtime.items() if k not in spec and (accepted is None or k in accepted)}}
 
 
 def build_model(spec: Dict[str, Any]) -> nn.Module:

@@ -1,12 +1,14 @@
-"""Optimizers (conf/optimizer/): any ``torch.optim`` class given as a partial ``_target_``."""
+"""Optimizers (conf/optimizer/): any ``torch.optim`` class named in ``_target_``, built with the
+option's keys and ``params=`` the model's trainable parameters (or fine-tuning's groups)."""
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
+
+from framework.errors import instantiate
 
 
 def trainable_parameters(model: nn.Module) -> Iterable[nn.Parameter]:
@@ -17,7 +19,8 @@ def trainable_parameters(model: nn.Module) -> Iterable[nn.Parameter]:
 def build_optimizer(cfg: DictConfig, model: nn.Module,
                     param_groups: Optional[List[Dict[str, Any]]] = None) -> torch.optim.Optimizer:
     """``param_groups`` (fine-tuning) may carry an ``lr_factor`` that scales the configured rate."""
-    optimizer = instantiate(cfg)(param_groups or trainable_parameters(model))
+    # "all": the groups reach torch as the dicts they are (OmegaConf would make each a DictConfig).
+    optimizer = instantiate(cfg, params=param_groups or trainable_parameters(model), _convert_="all")
     for group in optimizer.param_groups:
         group["lr"] *= group.get("lr_factor", 1.0)
     return optimizer

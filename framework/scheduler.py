@@ -1,5 +1,6 @@
-"""Learning-rate schedulers (conf/scheduler/): a partial ``build`` target stepped every
-``interval`` (epoch or step); ``scheduler=none`` keeps the rate constant."""
+"""Learning-rate schedulers (conf/scheduler/): any torch LR scheduler named in ``_target_``, built with
+the option's keys and ``optimizer=``, and stepped every ``interval`` (epoch or step), runlab's own key;
+``scheduler=none`` (``constant``) keeps the rate at lr."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import warnings
 from typing import Optional
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig
+
+from framework.errors import instantiate
 
 # A scheduler's state that says where it is, not which schedule it follows.
 POSITION = ("last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial", "base_lrs")
@@ -18,7 +20,8 @@ class Scheduler:
     """Owns its stepping policy, so the loop calls ``after_step`` and ``after_epoch`` unconditionally."""
 
     def __init__(self, scheduler: Optional[torch.optim.lr_scheduler.LRScheduler], interval: str):
-        self.scheduler, self.interval = scheduler, interval  # interval "none": a constant rate
+        self.scheduler = scheduler
+        self.interval = interval if scheduler else "never"  # no scheduler: a constant rate
 
     def after_step(self) -> None:
         if self.interval == "step":
@@ -52,7 +55,10 @@ def same_schedule(configured: dict, saved: dict) -> bool:
     return configured.keys() == saved.keys() and schedule(configured) == schedule(saved)
 
 
-def build_scheduler(cfg: Optional[DictConfig], optimizer: torch.optim.Optimizer) -> Scheduler:
-    if cfg is None:
-        return Scheduler(None, "none")
-    return Scheduler(instantiate(cfg.build)(optimizer), cfg.interval)
+def constant(optimizer: torch.optim.Optimizer) -> None:
+    """scheduler=none: no schedule; the rate stays at lr."""
+
+
+def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer) -> Scheduler:
+    option = {key: value for key, value in cfg.items() if key != "interval"}  # the scheduler's own keys
+    return Scheduler(instantiate(option, optimizer=optimizer), cfg.get("interval", "never"))

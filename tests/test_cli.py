@@ -71,7 +71,7 @@ def test_bad_values_are_refused_before_any_work(train, overrides, message):
     assert message in str(error.value)
 
 
-@pytest.mark.parametrize("group", ["data", "objective", "logger", "parallel"])
+@pytest.mark.parametrize("group", ["data", "objective", "model", "optimizer", "scheduler", "logger", "parallel"])
 def test_every_option_extends_its_own_schema_and_names_its_builder(group):
     from hydra.utils import get_object
     from omegaconf import OmegaConf
@@ -84,6 +84,10 @@ def test_every_option_extends_its_own_schema_and_names_its_builder(group):
         if f"{group}={name}" == "data=custom":  # the user's own keys: untyped, with the loader's
             node = composed("data=custom", "data._target_=framework.data.digits")[group]
             assert OmegaConf.get_type(node) is dict and LOADER_KEYS <= set(node)
+            continue
+        if f"{group}={name}" == "model=custom":  # the user's own keys: untyped, checked against the signature
+            node = composed("model=custom", "model._target_=usermodels.TinyNet")[group]
+            assert OmegaConf.get_type(node) is dict and set(node) == {"_target_"}
             continue
         node = composed(f"{group}={name}")[group]
         assert OmegaConf.get_type(node) is schema and schema.option == f"{group}={name}"

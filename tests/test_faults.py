@@ -68,7 +68,7 @@ def mount_namespaces_work(user) -> bool:
 
 def test_a_diverging_run_stops_at_the_step_and_keeps_the_last_finite_checkpoints(cli, user):
     # The lr grows 1e4-fold every epoch: finite for a while, then the loss explodes.
-    result = cli("scheduler=step", "scheduler.build.step_size=1", "scheduler.build.gamma=1e4", "trainer.max_epochs=6",
+    result = cli("scheduler=step", "scheduler.step_size=1", "scheduler.gamma=1e4", "trainer.max_epochs=6",
                  *QUICK)
     line = one_line_error(result, exit_code=3)
     assert "training diverged at step" in line and "Likely causes: a learning rate too high" in line
@@ -143,7 +143,7 @@ def test_a_larger_budget_continues_on_a_schedule_rebuilt_for_it(cli, user):
     assert cli("trainer.max_epochs=2", *common).returncode == 0
     result = cli("trainer.max_epochs=4", *common, "resume=auto")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "trainer.max_epochs: 2 -> 4" in result.stdout and "scheduler.build.T_max: 2 -> 4" in result.stdout
+    assert "trainer.max_epochs: 2 -> 4" in result.stdout and "scheduler.T_max: 2 -> 4" in result.stdout
     # Epochs 3 and 4 of a cosine over 4 epochs, not the cosine over 2 that had already reached 0.
     expected = [1e-3 * 0.5 * (1 + math.cos(math.pi * epoch / 4)) for epoch in (2, 3)]
     assert logged_lr(user.runs()[-1]) == pytest.approx(expected, rel=1e-6)

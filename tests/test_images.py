@@ -79,7 +79,7 @@ def test_a_plain_state_dict_finetunes_with_its_head_found_and_its_layers_frozen_
     torch.manual_seed(0)
     other = TorchvisionStyleNet(num_classes=1000, input_shape=(1, 8, 8))  # an ImageNet-sized head
     torch.save(other.state_dict(), tmp_path / "backbone.pth")
-    done = user.run(f"python run.py model._target_=usermodels.TorchvisionStyleNet finetune.from={tmp_path / 'backbone.pth'} 'finetune.freeze=[layer1.*]' "
+    done = user.run(f"python run.py model=custom model._target_=usermodels.TorchvisionStyleNet finetune.from={tmp_path / 'backbone.pth'} 'finetune.freeze=[layer1.*]' "
                     f"'data.classes=[5,6,7,8,9]' trainer.max_epochs=2 {QUIET}", env=aids_on_path(user))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Head 'fc' re-initialised: the number of classes changed" in done.stdout

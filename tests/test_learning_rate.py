@@ -37,5 +37,5 @@ def test_the_optimizer_trains_at_lr(overrides, expected):
     with open_dict(cfg):
         del cfg["hydra"]  # as framework.run does
     validate(cfg)
-    optimizer = instantiate(cfg.optimizer)([torch.nn.Parameter(torch.zeros(1))])
+    optimizer = instantiate(cfg.optimizer, params=[torch.nn.Parameter(torch.zeros(1))])
     assert optimizer.param_groups[0]["lr"] == expected == cfg.lr

@@ -94,12 +94,12 @@ def test_a_model_that_cannot_be_split_is_refused_clearly():
     with pytest.raises(ConfigError, match="TwoBranch is not one"):
         stage_boundaries(TwoBranch([8], 3), 2, [])
     with pytest.raises(ConfigError, match="only 4 top-level layers"):
-        stage_boundaries(MLP([8], 3, width=4), 5, [])
+        stage_boundaries(MLP([8], 3, width=4, depth=2, dropout=0.0, batch_norm=False), 5, [])
 
 
 def test_pipeline_overlaps_stages_and_matches_the_plain_model():
     torch.manual_seed(0)
-    model = MLP([8], 3, width=16, depth=2)
+    model = MLP([8], 3, width=16, depth=2, dropout=0.0, batch_norm=False)
     x = torch.randn(12, 8)
     expected = model(x)
     pipeline = Pipeline(model, [torch.device("cpu")] * 2, balanced_boundaries([1, 1, 1, 1], 2), microbatches=3)
@@ -362,7 +362,7 @@ def test_the_private_ddp_api_the_out_of_memory_agreement_relies_on(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
-        model = MLP([64], 10, width=512, depth=3)
+        model = MLP([64], 10, width=512, depth=3, dropout=0.0, batch_norm=False)
         model.head.bias.requires_grad_(False)  # frozen parameters have no bucket
         buckets = zero_gradient_buckets(DistributedDataParallel(model))
         assert [bucket.index() for bucket in buckets] == list(range(len(buckets)))

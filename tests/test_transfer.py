@@ -91,7 +91,7 @@ def test_a_freeze_pattern_that_matches_nothing_is_refused(train, pretrained):
 
 
 def test_a_model_without_head_name_needs_finetune_head_when_the_labels_change(train):
-    _, source = train("model._target_=usermodels.TinyNet", LOW_DIGITS, "trainer.max_epochs=1", *QUIET)
+    _, source = train("model=custom", "model._target_=usermodels.TinyNet", LOW_DIGITS, "trainer.max_epochs=1", *QUIET, shrink=False)
     with pytest.raises(ConfigError, match="TinyNet declares no head_name.*finetune.head=MODULE"):
         train(HIGH_DIGITS, f"finetune.from={source}", "trainer.max_epochs=1", *QUIET)
     _, run_dir = train(HIGH_DIGITS, f"finetune.from={source}", "finetune.head=net.3", "finetune.freeze=[net.1.*]",
