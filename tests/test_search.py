@@ -411,3 +411,48 @@ def test_a_command_line_grid_runs_on_the_ray_launcher(cli, user):
     assert [read_metrics(grid / str(number))["epoch"] for number in (0, 1)] == [2, 2]
     # Hydra's basic sweeper on the Ray launcher ends with the multirun's summary too.
     assert "Best job #" in result.stdout and (grid / "jobs.csv").is_file()
+
+
+def ray_processes(pid: int) -> set:
+    """(pid, start time) of each Ray process under ``pid``."""
+    import psutil
+
+    found = set()
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "ray" in " ".join(child.cmdline()) and "reaper.py" not in " ".join(child.cmdline()):
+                found.add((child.pid, child.create_time()))
+    return found
+
+
+def alive(processes: set) -> set:
+    import psutil
+
+    def running(pid: int, started: float) -> bool:
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(pid)
+            return process.create_time() == started and process.status() != psutil.STATUS_ZOMBIE
+        return False
+
+    return {(pid, started) for pid, started in processes if running(pid, started)}
+
+
+@pytest.mark.timeout(300)
+def test_nothing_of_a_local_ray_instance_outlives_its_killed_sweep_driver(user, tmp_path):
+    # Left alone, Ray's DashboardAgent and RuntimeEnvAgent live on for about a minute after a kill -9.
+    command = ["python", "run.py", *TINY, "search=random", "launcher=ray_local", "trainer.max_epochs=200"]
+    driver = user.start(shlex.join(command), tmp_path / "driver.log")
+    try:
+        deadline = time.monotonic() + 200
+        while not list(sweep_dir(user, "train_random").glob("*/train.log")):  # a trial runs on a Ray worker
+            assert driver.poll() is None and time.monotonic() < deadline, (tmp_path / "driver.log").read_text()[-2000:]
+            time.sleep(0.2)
+        processes = ray_processes(driver.pid)
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    assert len(processes) >= 4  # the GCS, the raylet, its two agents, the trial's worker
+    deadline = time.monotonic() + 15
+    while alive(processes) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive(processes)

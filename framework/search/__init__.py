@@ -4,6 +4,7 @@
 - ``trial``: the trainer's hook that reports each epoch to the study and asks whether to prune;
 - ``report``: the sweep report (table, plots, optimization_results.yaml, best trials as experiment YAMLs);
 - ``ray_launcher``: hydra-ray-launcher with clear errors and a safe cluster connection;
+- ``reaper``: a script that ends a local Ray instance's processes with its sweep driver, a killed one included;
 - ``slurm_launcher``: hydra-submitit-launcher's SLURM launcher (``launcher=slurm``), or the same jobs run locally.
 - ``private_apis``: the only private Optuna, Hydra-plugin and Ray APIs search/ uses, each pinned by a test.
 """

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -32,6 +34,9 @@ LOCAL_OBJECT_STORE_BYTES = 78643200
 # A GCS call every cluster answers at once, with UNAUTHENTICATED when it refuses the token (the
 # first call ray.init makes).
 GCS_PROBE = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+# The reaper of this driver's local Ray instance: held for the driver's lifetime, since dropping it
+# would close the pipe that tells the reaper the driver is gone.
+REAPER: List[subprocess.Popen] = []
 
 
 class RayStartError(SweepError):
@@ -92,18 +97,28 @@ def join_cluster(init: dict) -> None:
     present_ray_token()
 
 
+def start_reaper() -> None:
+    """Have the local Ray instance's processes end with this driver, a killed one included (reaper.py).
+    The pipe's other end closes when this process exits; the reaper runs in a session of its own, out of
+    reach of the terminal's signals, which are the driver's to handle."""
+    script = Path(__file__).with_name("reaper.py")
+    REAPER.append(subprocess.Popen([sys.executable, str(script), str(os.getpid())], stdin=subprocess.PIPE,
+                                   stdout=subprocess.DEVNULL, start_new_session=True))
+
+
 def start_ray(init: dict) -> None:
     import ray
 
     if ray.is_initialized():
         return
-    if init.get("address", "local") != "local":
+    if init.get("address") not in (None, "local"):
         join_cluster(init)
     else:
-        # "local": a new instance for this sweep; without an address, ray.init joins whatever
-        # cluster `ray start` last started on this machine.
+        # No address (hydra-ray-launcher's default) or "local": a new instance for this sweep. Given no
+        # address, ray.init would join whatever cluster `ray start` last started on this machine.
         init["address"] = "local"
         init.setdefault("object_store_memory", LOCAL_OBJECT_STORE_BYTES)
+        start_reaper()
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     # Ray runs workers at nice 15 by default; trials are the work, not background chores, and
     # on a shared machine a niced trial gets a fraction of its core.
