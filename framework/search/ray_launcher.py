@@ -100,10 +100,11 @@ def join_cluster(init: dict) -> None:
 def start_reaper() -> None:
     """Have the local Ray instance's processes end with this driver, a killed one included (reaper.py).
     The pipe's other end closes when this process exits; the reaper runs in a session of its own, out of
-    reach of the terminal's signals, which are the driver's to handle."""
+    reach of the terminal's signals, which are the driver's to handle, and holds none of the driver's
+    output streams (a caller reading them to their end would wait for it)."""
     script = Path(__file__).with_name("reaper.py")
     REAPER.append(subprocess.Popen([sys.executable, str(script), str(os.getpid())], stdin=subprocess.PIPE,
-                                   stdout=subprocess.DEVNULL, start_new_session=True))
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
 
 
 def start_ray(init: dict) -> None:
