@@ -394,7 +394,7 @@ class StepSchedulerConfig(SchedulerConfig):
     gamma: float = MISSING
 
 
-# --- logger (framework/logger.py): _target_ is a logger.Logger; its from_config builds it -----
+# --- logger (framework/logger.py): _target_ is a logger.Logger, built with run_dir= and what else of the run it takes --
 
 @option("logger", "none")
 @dataclass
@@ -635,7 +635,7 @@ def accepted_keys(target: Any) -> Optional[List[str]]:
 # What runlab passes a group's _target_ itself when it builds it (model.model_spec, optimizer.build_optimizer,
 # scheduler.build_scheduler), and the keys of a group's option that are runlab's rather than the target's.
 RUNTIME_ARGUMENTS = {"model": ("input_shape", "num_classes"), "optimizer": ("params",), "scheduler": ("optimizer",),
-                     "objective": ("output_size",)}
+                     "objective": ("output_size",), "logger": ("run_dir", "name", "monitor", "run_config")}
 RUNLAB_KEYS = {"scheduler": ("interval",), "data": tuple(LOADER_KEYS), "objective": ("monitor",)}
 
 
@@ -660,7 +660,7 @@ def _validate_arguments(key: str, node: DictConfig, runtime: Sequence[str] = (),
 
 
 def _validate_targets(cfg: DictConfig) -> None:
-    for group in ("model", "optimizer", "scheduler", "data", "objective"):
+    for group in ("model", "optimizer", "scheduler", "data", "objective", "logger"):
         _validate_arguments(group, cfg[group], RUNTIME_ARGUMENTS.get(group, ()), RUNLAB_KEYS.get(group, ()))
     loss = cfg.objective.get("loss")
     if isinstance(loss, DictConfig) and "_target_" in loss:

@@ -17,7 +17,7 @@ import sys
 import threading
 import warnings
 from pathlib import Path
-from typing import Dict, Mapping
+from typing import Any, Dict, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,8 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from framework.errors import ResourceError, disk_full
+from framework.config import accepted_keys
+from framework.errors import ResourceError, disk_full, instantiate
 from framework.paths import shown
 from framework.search.trial import NoTrial
 
@@ -37,14 +38,9 @@ Scalars = Mapping[str, float]
 class Logger:
     """The silent logger (logger=none, and every rank but 0).
 
-    Each option of conf/logger/ names its class in ``_target_``; ``build_logger`` calls that
-    class's ``from_config``.
+    Each option of conf/logger/ names its class in ``_target_``; ``build_logger`` builds it with the
+    option's keys and, as keyword arguments, what of the run (``run_arguments``) its constructor takes.
     """
-
-    @classmethod
-    def from_config(cls, options: DictConfig, cfg: DictConfig, run_dir: Path, name: str) -> "Logger":
-        """The logger for ``options`` (``cfg.logger``) of the run ``cfg`` in ``run_dir``, named ``name``."""
-        return cls()
 
     def log_metrics(self, metrics: Scalars, step: int) -> None: ...
 
@@ -227,16 +223,13 @@ def quiet_writer_thread_errors() -> None:
 
 
 class TensorBoardLogger(Logger):
-    def __init__(self, cfg: DictConfig, run_dir: Path, name: str, monitor: str):
-        self.cfg, self.name = cfg, name
-        self.directory = run_dir / "tensorboard" / name
+    def __init__(self, run_dir: Path, name: str, monitor: str, *, log_graph: bool, histogram_every_n_epochs: int,
+                 log_images: bool):
+        self.name, self.graph, self.histogram_every, self.images = name, log_graph, histogram_every_n_epochs, log_images
+        self.directory = Path(run_dir) / "tensorboard" / name
         quiet_writer_thread_errors()
         self.writer = summary_writer_class()(log_dir=str(self.directory))
         self.writer.add_custom_scalars(overview_layout(monitor))
-
-    @classmethod
-    def from_config(cls, options: DictConfig, cfg: DictConfig, run_dir: Path, name: str) -> "TensorBoardLogger":
-        return cls(options, run_dir, name, cfg.checkpoint.monitor)
 
     def continue_run(self, previous_run_dir: Path, step: int) -> None:
         """One training, one TensorBoard run across resumes: this run dir's tensorboard/ becomes a link to the
@@ -267,7 +260,7 @@ class TensorBoardLogger(Logger):
 
     @stops_on_a_full_disk
     def log_graph(self, model: nn.Module, example: torch.Tensor) -> None:
-        if not self.cfg.log_graph:
+        if not self.graph:
             return
         try:
             with warnings.catch_warnings():
@@ -284,7 +277,7 @@ class TensorBoardLogger(Logger):
     def log_histograms(self, model: nn.Module, epoch: int) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        every = self.cfg.histogram_every_n_epochs
+        every = self.histogram_every
         if not every or epoch % every:
             return
         # Gradients beside their weights, in the group "weights" that sorts after "overview"; one event for all.
@@ -298,7 +291,7 @@ class TensorBoardLogger(Logger):
 
     @stops_on_a_full_disk
     def log_predictions(self, images, labels, predictions, epoch: int) -> None:
-        if self.cfg.log_images:
+        if self.images:
             self.writer.add_image("predictions/pred_true", prediction_grid(images, labels, predictions), epoch)
 
     @stops_on_a_full_disk
@@ -321,15 +314,11 @@ class TensorBoardLogger(Logger):
 class CSVLogger(Logger):
     """One row per (step, metric, value) in metrics.csv: easy to load with any tool."""
 
-    def __init__(self, path: Path):
-        self.directory = path.parent
-        self.handle = open(path, "w", newline="")
+    def __init__(self, run_dir: Path):
+        self.directory = Path(run_dir)
+        self.handle = open(self.directory / "metrics.csv", "w", newline="")
         self.writer = csv.writer(self.handle)
         self.writer.writerow(["step", "metric", "value"])
-
-    @classmethod
-    def from_config(cls, options: DictConfig, cfg: DictConfig, run_dir: Path, name: str) -> "CSVLogger":
-        return cls(run_dir / "metrics.csv")
 
     @stops_on_a_full_disk
     def log_metrics(self, metrics: Scalars, step: int) -> None:
@@ -346,16 +335,12 @@ class CSVLogger(Logger):
 
 
 class WandbLogger(Logger):
-    def __init__(self, cfg: DictConfig, run_dir: Path, config: dict):
+    def __init__(self, run_dir: Path, run_config: dict, *, wandb_project: str, wandb_mode: str):
         try:
             import wandb
         except ImportError:
             raise ImportError("logger=wandb needs the wandb package: pip install -e '.[wandb]'.") from None
-        self.run = wandb.init(project=cfg.wandb_project, mode=str(cfg.wandb_mode), dir=str(run_dir), config=config)
-
-    @classmethod
-    def from_config(cls, options: DictConfig, cfg: DictConfig, run_dir: Path, name: str) -> "WandbLogger":
-        return cls(options, run_dir, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+        self.run = wandb.init(project=wandb_project, mode=str(wandb_mode), dir=str(run_dir), config=run_config)
 
     def log_metrics(self, metrics: Scalars, step: int) -> None:
         self.run.log(dict(metrics), step=step)
@@ -367,8 +352,17 @@ class WandbLogger(Logger):
         self.run.finish()
 
 
+def run_arguments(cfg: DictConfig, run_dir: Path, name: str) -> Dict[str, Any]:
+    """What a logger may take of the run besides its option's keys (config.RUNTIME_ARGUMENTS["logger"])."""
+    return {"run_dir": run_dir, "name": name, "monitor": cfg.checkpoint.monitor,
+            "run_config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)}
+
+
 def build_logger(cfg: DictConfig, run_dir: Path, is_main: bool, name: str) -> Logger:
     """The logger whose class ``cfg.logger._target_`` names, for the run called ``name`` (see ``run_name``)."""
     if not is_main:
         return Logger()
-    return get_object(cfg.logger._target_).from_config(cfg.logger, cfg, run_dir, name)
+    takes = accepted_keys(get_object(cfg.logger._target_))
+    run = {key: value for key, value in run_arguments(cfg, run_dir, name).items() if takes is None or key in takes}
+    # Not recursive: run_config holds the run's _target_ nodes (model, optimizer, ...), which are to be logged, not built.
+    return instantiate(cfg.logger, **run, _convert_="all", _recursive_=False)

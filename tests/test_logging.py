@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import plugin_data_pb2
@@ -86,8 +85,7 @@ def test_tensorboard_opens_on_the_overview_and_keeps_hparams_out_of_the_charts(t
 
 
 def test_a_histogram_summarises_the_finite_values(tmp_path):
-    logger = TensorBoardLogger(OmegaConf.create({"histogram_every_n_epochs": 1, "log_graph": False, "log_images": False}),
-                               tmp_path, "run", "val/acc")
+    logger = TensorBoardLogger(tmp_path, "run", "val/acc", histogram_every_n_epochs=1, log_graph=False, log_images=False)
     weights = torch.nn.Linear(2, 2)
     weights.weight.data = torch.tensor([[0.5, -1.0], [float("nan"), 2.0]])
     weights.bias.data = torch.full((2,), float("inf"))  # no finite value: no histogram
@@ -174,15 +172,14 @@ def test_a_logger_that_finds_the_disk_full_ends_the_run_with_one_line(tmp_path, 
     caught_thread_errors = []
     monkeypatch.setattr(threading, "excepthook", caught_thread_errors.append)
     if logger == "tensorboard":  # its writer opens the events file for every write
-        writer = TensorBoardLogger(OmegaConf.create({"histogram_every_n_epochs": 1, "log_graph": False,
-                                                     "log_images": False}), tmp_path, "run", "val/acc")
+        writer = TensorBoardLogger(tmp_path, "run", "val/acc", histogram_every_n_epochs=1, log_graph=False, log_images=False)
         writer.writer.flush()  # nothing queued is written after the file is replaced
         [events] = writer.directory.iterdir()
         events.unlink()
         events.symlink_to("/dev/full")
     else:
         (tmp_path / "metrics.csv").symlink_to("/dev/full")
-        writer = CSVLogger(tmp_path / "metrics.csv")
+        writer = CSVLogger(tmp_path)
     with pytest.raises(ResourceError) as raised:
         for step in range(100):
             writer.log_metrics({"train/loss": 1.0}, step)
