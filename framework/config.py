@@ -3,10 +3,13 @@
 Every group is selected the same way. An option's YAML (conf/<group>/<option>.yaml) extends its
 own schema here through its defaults list (``- /DigitsData@_here_``), so only that option's keys
 exist and a typo in a key, a value of the wrong type or one outside a closed set (an ``Enum``)
-is refused by Hydra while composing. Each option names what builds it in ``_target_``, as
-model, optimizer and scheduler do, and the group's builder dispatches on it: data.build_data,
-logger.build_logger, parallel.launch. ``validate`` then rejects values that type-check but
-cannot work, before any work starts.
+is refused by Hydra while composing. Each option names what builds it in ``_target_``, which
+``hydra.utils.instantiate`` calls with the option's keys and, as keyword arguments, what only the
+run has (``RUNTIME_ARGUMENTS``: a model's input_shape, an optimizer's params, ...); parallel's
+``Mode`` is the one that launches instead (parallel.launch). A ``_target_`` of the user's own
+(``model=custom``, ``data=custom``, another torch.optim class, a loss) is checked against its
+signature instead of a schema. ``validate`` then rejects values that type-check but cannot work,
+before any work starts.
 
 Each default is written once: in the YAML that sets it, beside the comment that explains it;
 the schema only types such a key (``MISSING``). A schema writes the defaults no YAML carries:
