@@ -642,24 +642,28 @@ RUNTIME_ARGUMENTS = {"model": ("input_shape", "num_classes"), "optimizer": ("par
 RUNLAB_KEYS = {"scheduler": ("interval",), "data": tuple(LOADER_KEYS), "objective": ("monitor",)}
 
 
-def _validate_arguments(key: str, node: DictConfig, runtime: Sequence[str] = (), runlabs: Sequence[str] = ()) -> None:
+def _validate_arguments(key: str, node: DictConfig, runtime: Sequence[str] = (), runlab_keys: Sequence[str] = ()) -> None:
     """A ``_target_`` node's keys that its target does not take, refused before it is called: Hydra would
     call it and end in a TypeError traceback, after the work done before (a user's own target, or a
     shipped one given a key with ``+``)."""
     accepted = accepted_keys(_importable(f"{key}._target_", node._target_))
     if accepted is None:
         return
-    unknown = [k for k in node if not k.startswith("_") and k not in runlabs and k not in accepted]
-    if not unknown:
-        return
-    takes = [k for k in accepted if k not in runtime]
+    unknown = [k for k in node if not k.startswith("_") and k not in runlab_keys and k not in accepted]
+    if unknown:
+        raise ConfigError(_not_arguments(key, node, unknown, accepted, runtime))
+
+
+def _not_arguments(key: str, node: DictConfig, unknown: List[str], accepted: List[str], runtime: Sequence[str]) -> str:
+    keys = ", ".join(f"{key}.{k}" for k in unknown)
+    verb = "is not an argument" if len(unknown) == 1 else "are not arguments"
+    schema = OmegaConf.get_type(node)  # a shipped option's, when the user named another _target_ on top of it
+    mixed = key == "model" and bool(getattr(schema, "option", "")) and schema._target_ != node._target_
+    hint = " (for a module of your own, start from model=custom)" if mixed else ""
+    takes = ", ".join(k for k in accepted if k not in runtime) or "none"
     passed = [k for k in runtime if k in accepted]
-    schema = OmegaConf.get_type(node)
-    own = " (for a module of your own, start from model=custom)" if key == "model" and getattr(schema, "option", "") \
-        and schema._target_ != node._target_ else ""
-    raise ConfigError(f"{', '.join(f'{key}.{k}' for k in unknown)} {'is not an argument' if len(unknown) == 1 else 'are not arguments'}"
-                      f" of {node._target_}{own}; its arguments are: {', '.join(takes) if takes else 'none'}"
-                      f"{' (and ' + ', '.join(passed) + ', which runlab passes)' if passed else ''}.")
+    passes = f" (and {', '.join(passed)}, which runlab passes)" if passed else ""
+    return f"{keys} {verb} of {node._target_}{hint}; its arguments are: {takes}{passes}."
 
 
 def _validate_targets(cfg: DictConfig) -> None:
