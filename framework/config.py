@@ -500,6 +500,9 @@ class TrainerConfig:
     deterministic: bool = MISSING
     test_after_fit: bool = MISSING
     on_nonfinite: NonFinite = MISSING
+    compile: bool = MISSING
+    compile_backend: str = MISSING
+    compile_mode: Optional[str] = MISSING
 
 
 @dataclass
@@ -870,6 +873,27 @@ def _validate_trainer(trainer: DictConfig) -> None:
     _require(trainer.log_every_n_steps >= 1, f"trainer.log_every_n_steps={trainer.log_every_n_steps} is invalid; it must be at least 1.")
     _require(trainer.val_every_n_steps >= 0,
              f"trainer.val_every_n_steps={trainer.val_every_n_steps} is invalid; use 0 (once per epoch) or a positive count.")
+    _validate_compile(trainer)
+
+
+def _validate_compile(trainer: DictConfig) -> None:
+    """torch.compile's backend and mode, checked only when compile is on: the compiler takes seconds to import."""
+    if not trainer.compile:
+        return
+    import torch
+
+    backend, mode = trainer.compile_backend, trainer.compile_mode
+    backends = torch.compiler.list_backends(exclude_tags=())
+    _require(backend in backends, f"trainer.compile_backend={backend!r} is not a torch.compile backend; use inductor "
+             f"(the default), aot_eager (compiles fastest, for tests) or another of {', '.join(backends)}.")
+    if mode is None:
+        return
+    _require(backend == "inductor", f"trainer.compile_mode={mode!r} is inductor's; it does not apply to "
+                                    f"compile_backend={backend}: leave compile_mode=null.")
+    try:
+        torch.compile(_validate_compile, mode=mode)  # torch checks the mode here; nothing is compiled until a call
+    except RuntimeError as error:
+        raise ConfigError(f"trainer.compile_mode={mode!r} is invalid: {error}.") from None
 
 
 def _validate_checkpoint(checkpoint: DictConfig) -> None:

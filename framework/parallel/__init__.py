@@ -16,7 +16,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import torch
 from hydra.utils import get_object
@@ -39,6 +39,34 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+@dataclass(frozen=True)
+class Compile:
+    """trainer.compile: ``torch.compile`` with the run's backend and mode."""
+
+    backend: str
+    mode: Optional[str]
+
+    @classmethod
+    def of(cls, trainer: DictConfig) -> Optional["Compile"]:
+        """The run's compile settings; None when trainer.compile is off."""
+        return cls(trainer.compile_backend, trainer.compile_mode) if trainer.compile else None
+
+
+def compiled(module: nn.Module, compile: Optional[Compile]) -> nn.Module:
+    """``torch.compile(module)`` where ``compile`` asks for it, else ``module``.
+
+    Each mode's ``wrap`` compiles the module a distributed wrapper runs (DDP's module, each
+    pipeline stage), as torch's guidance has it, not the wrapper. ``torch.compile(module)``,
+    not ``module.compile()``: torch 2.13 silently skips the latter for a model made only of
+    torch's own layers (an ``nn.Sequential``; pytorch/pytorch#150915). Checkpoints hold
+    ``unwrap``'s plain model, without the ``_orig_mod.`` its parameter names get here.
+
+    The batch dimension is not marked dynamic: a second batch size (an out-of-memory back-off,
+    an epoch's last batch) recompiles once with it dynamic, and later sizes reuse that graph.
+    """
+    return module if compile is None else torch.compile(module, backend=compile.backend, mode=compile.mode)
+
+
 @dataclass
 class Environment:
     """Where this process runs and how it talks to the others (parallel=none: alone)."""
@@ -46,6 +74,7 @@ class Environment:
     device: torch.device
     rank: int = 0
     world_size: int = 1
+    compile: Optional[Compile] = None  # trainer.compile, applied by wrap
 
     @property
     def is_main(self) -> bool:
@@ -57,7 +86,7 @@ class Environment:
         return self.device
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return model.to(self.device)
+        return compiled(model.to(self.device), self.compile)
 
     def no_sync(self, model: nn.Module):
         """Context for a micro-batch whose gradients need not be synchronised yet."""
@@ -110,7 +139,21 @@ def unwrap(model: nn.Module) -> nn.Module:
         model = inner
 
 
+def hookable(model: nn.Module) -> nn.Module:
+    """The module to hook a forward of: the compiled one where trainer.compile made one, since its
+    hooks run before the compiled code (the plain model's are traced into it), else the plain model."""
+    while "_orig_mod" not in dict(model.named_children()):
+        inner = getattr(model, "module", None)
+        if inner is None:
+            return model
+        model = inner
+    return model
+
+
 def data_parallel(cfg: DictConfig) -> Environment:
+    if cfg.trainer.compile:
+        raise ConfigError("trainer.compile=true is not supported with parallel=dp: torch.compile supports "
+                          "DistributedDataParallel, not nn.DataParallel; use parallel=ddp.")
     device = resolve_device(cfg.device)
     ids = [resolve_device(name).index for name in cfg.parallel.devices] if cfg.parallel.devices else \
         list(range(torch.cuda.device_count()))
@@ -131,7 +174,7 @@ class Mode:
     @staticmethod
     def environment(cfg: DictConfig) -> Environment:
         """The environment of this process when it runs the task alone."""
-        return Environment(device=resolve_device(cfg.device))
+        return Environment(device=resolve_device(cfg.device), compile=Compile.of(cfg.trainer))
 
     @classmethod
     def launch(cls, task: Task, cfg: DictConfig, run_dir: Path) -> Any:

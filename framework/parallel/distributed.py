@@ -42,7 +42,7 @@ from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 
 from framework.errors import ConfigError, Interrupted, RunLogHandler, RunlabError
-from framework.parallel import Environment, Mode, Task, resolve_device
+from framework.parallel import Compile, Environment, Mode, Task, compiled, resolve_device
 from framework.paths import LOCK_FILE
 from framework.signals import STOP_SIGNALS
 
@@ -140,7 +140,9 @@ class DistributedEnvironment(Environment):
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        model = model.to(self.device)
+        # Compiled inside DDP, as torch's guidance has it: dynamo still splits the graph at DDP's
+        # gradient buckets (DDPOptimizer), so the all-reduce keeps overlapping backward.
+        model = compiled(model.to(self.device), self.compile)
         if not self.agree_on_out_of_memory:
             return DistributedDataParallel(model, device_ids=self.device_ids)
         self.agreement = OutOfMemoryAgreement(model, self.device)
@@ -258,7 +260,7 @@ def join_group(cfg: DictConfig, rank: int, world_size: int, local_rank: int) -> 
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.parallel.timeout_s))
     return DistributedEnvironment(device=device, rank=rank, world_size=world_size,
                                   sync_batchnorm=cfg.parallel.sync_batchnorm,
-                                  agree_on_out_of_memory=cfg.troubleshoot.oom_recovery)
+                                  agree_on_out_of_memory=cfg.troubleshoot.oom_recovery, compile=Compile.of(cfg.trainer))
 
 
 def log_as_rank(rank: int, log_file: Path) -> None:

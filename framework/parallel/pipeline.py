@@ -23,7 +23,7 @@ from torch import nn
 
 from framework.errors import ConfigError
 from framework.objective import ComputesOwnLoss
-from framework.parallel import Environment, Mode, resolve_device
+from framework.parallel import Compile, Environment, Mode, compiled, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,8 @@ class PipelineEnvironment(Environment):
                         "so training differs slightly from parallel=none.", self.microbatches)
         pipeline = Pipeline(model, self.devices, boundaries, self.microbatches)
         log.info("Model parallel, %d micro-batches per batch: %s.", self.microbatches, pipeline.describe())
+        # Each stage on its device; the schedule and the copies between devices stay eager.
+        pipeline.stages = tuple(compiled(stage, self.compile) for stage in pipeline.stages)
         return pipeline
 
 
@@ -145,7 +147,7 @@ def pipeline_devices(names: Sequence[str]) -> List[torch.device]:
 def pipeline_environment(cfg: DictConfig) -> PipelineEnvironment:
     devices = pipeline_devices(list(cfg.parallel.devices))
     return PipelineEnvironment(device=devices[0], devices=devices, split=list(cfg.parallel.split),
-                               microbatches=cfg.parallel.microbatches)
+                               microbatches=cfg.parallel.microbatches, compile=Compile.of(cfg.trainer))
 
 
 class ModelParallel(Mode):

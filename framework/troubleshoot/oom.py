@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from framework.errors import ResourceError
-from framework.parallel import Environment, unwrap
+from framework.parallel import Environment, hookable, unwrap
 from framework.troubleshoot.environment import gpu_status
 from framework.troubleshoot.memory import activation_mb_per_sample, allocated_mb, model_memory
 
@@ -62,7 +62,7 @@ class OOMRecovery:
         self.backoffs, self.eval_backoffs, self.failure = 0, 0, ""
         self.freed = (0.0, 0.0)  # memory held before and after the last clean-up, in MB
         if cfg.inject_oom_above_batch >= 0 and cfg.inject_oom_rank in (-1, env.rank):
-            self.model.register_forward_pre_hook(functools.partial(_inject, limit=cfg.inject_oom_above_batch))
+            hookable(model).register_forward_pre_hook(functools.partial(_inject, limit=cfg.inject_oom_above_batch))
 
     def attempt(self, work: Callable[..., Any], *args: Any) -> Optional[Any]:
         """``work(*args)``; None when it ran out of memory and recovery is on."""
