@@ -337,15 +337,19 @@ class Checkpointer:
     background thread, started at the first write and kept for the run, so the next epoch
     waits neither for serialisation and fsync nor for a thread to start. One write is in
     flight at a time; ``wait`` finishes it and re-raises its error, if any.
+
+    Where building the state takes every process (``collective_state``: fsdp gathers the shards),
+    the others build it too, and only the writer writes it.
     """
 
     def __init__(self, directory: Path, monitor: str, mode: str, enabled: bool, is_writer: bool, *,
-                 every_n_steps: int = 0, every_minutes: float = 0.0, keep_last: int = 0):
+                 every_n_steps: int = 0, every_minutes: float = 0.0, keep_last: int = 0, collective_state: bool = False):
         self.directory, self.enabled, self.is_writer = Path(directory), enabled, is_writer
+        self.builds_state = enabled and (is_writer or collective_state)
         self.tracker = MetricTracker(monitor, mode)
         self.best_epoch: Optional[int] = None  # the epoch count at the best validation
         self.every_n_steps, self.every_s, self.keep_last = every_n_steps, every_minutes * 60, keep_last
-        self.scheduled = enabled and is_writer and bool(every_n_steps or every_minutes)
+        self.scheduled = self.builds_state and bool(every_n_steps or every_minutes)
         self.written_at = time.monotonic()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._in_flight: Optional[Future] = None
@@ -363,7 +367,7 @@ class Checkpointer:
         improved = self.tracker.improved(metrics)
         if improved:
             self.best_epoch = metrics.get("epoch")
-        if self.enabled and self.is_writer:
+        if self.builds_state:
             self._submit(state, improved)
 
     def on_step(self, state: Callable[[], Dict[str, Any]], step: int) -> None:
@@ -373,7 +377,10 @@ class Checkpointer:
             self._submit(state, improved=False)
 
     def _submit(self, state: Callable[[], Dict[str, Any]], improved: bool) -> None:
-        copy = snapshot(state())
+        built = state()
+        if not self.is_writer:
+            return  # its part of a collective state is done
+        copy = snapshot(built)
         self.wait()
         self.written_at = time.monotonic()
         try:
@@ -383,9 +390,11 @@ class Checkpointer:
 
     def save_last(self, state: Callable[[], Dict[str, Any]]) -> None:
         """Write last.pt now, on this thread: the run is stopping mid-epoch and a resume continues here."""
-        if self.enabled and self.is_writer:
+        if self.builds_state:
             self.wait()
-            save_checkpoint(state(), self.last)
+            built = state()
+            if self.is_writer:
+                save_checkpoint(built, self.last)
 
     def adopt_best(self, best: Path) -> None:
         """A resumed run starts with the best checkpoint of the run it continues, so its test uses it."""

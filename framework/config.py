@@ -461,6 +461,14 @@ class DDPParallelConfig(ParallelConfig):
     timeout_s: int = MISSING
 
 
+@option("parallel", "fsdp")
+@dataclass
+class FSDPParallelConfig(DDPParallelConfig):
+    _target_: str = "framework.parallel.fsdp.FSDP"
+    shard_modules: List[str] = MISSING
+    reshard_after_forward: bool = MISSING
+
+
 @option("parallel", "model")
 @dataclass
 class ModelParallelConfig(ParallelConfig):

@@ -146,9 +146,10 @@ class TrainStep:
         """The gradients' total norm (clipped to trainer.gradient_clip_val when set), as a tensor: no host sync."""
         self.precision.scaler.unscale_(self.optimizer)
         parameters = [p for p in self.parameters if p.grad is not None]
+        # Over sharded gradients (fsdp) the norm is already the whole model's; full_tensor makes it a plain tensor.
         if self.clip:
-            return torch.nn.utils.clip_grad_norm_(parameters, self.clip)
-        return torch.nn.utils.get_total_norm([p.grad for p in parameters])
+            return self.env.full_tensor(torch.nn.utils.clip_grad_norm_(parameters, self.clip))
+        return self.env.full_tensor(torch.nn.utils.get_total_norm([p.grad for p in parameters]))
 
     @property
     def lr(self) -> float:
@@ -162,7 +163,9 @@ class TrainStep:
         """
         while True:
             split_batches.set_batch_size(self.eval_batch_size)
-            finished = self.oom.attempt(evaluation_pass, self.model, self.objective, split_batches, self.env, self.precision)
+            with self.env.unsharded(self.model):
+                finished = self.oom.attempt(evaluation_pass, self.model, self.objective, split_batches, self.env,
+                                            self.precision)
             if not finished:
                 self.oom.free(drop_gradients=False)
             ran_out = int(self.env.all_reduce_sum(torch.tensor([0.0 if finished else 1.0], device=self.env.device)).item())

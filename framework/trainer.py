@@ -100,7 +100,8 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.monitor,
                                          monitor_mode(cfg, "checkpoint"), cfg.checkpoint.enabled, env.is_main,
                                          every_n_steps=cfg.checkpoint.every_n_steps,
-                                         every_minutes=cfg.checkpoint.every_minutes, keep_last=cfg.checkpoint.keep_last)
+                                         every_minutes=cfg.checkpoint.every_minutes, keep_last=cfg.checkpoint.keep_last,
+                                         collective_state=env.collective_state)
         self.early_stopping = EarlyStopping(**{**cfg.early_stopping, "mode": monitor_mode(cfg, "early_stopping")})
         self.nonfinite = NonFiniteGuard(cfg.trainer.on_nonfinite, str(cfg.trainer.precision), self.finite_state_kept)
         self.trial = sweep_trial(cfg, self.run_dir, env.is_main)
@@ -174,9 +175,9 @@ class Trainer:
 
     def state(self) -> Dict[str, Any]:
         return {
-            "model": unwrap(self.model).state_dict(),
+            "model": self.env.model_state(self.model),
             "model_spec": self.spec,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.env.optimizer_state(self.model, self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             **self.train_step.state_dict(),  # scaler, micro_batch, eval_batch_size
             "epoch": self.epoch,
@@ -199,8 +200,8 @@ class Trainer:
 
     def load_state(self, state: Dict[str, Any]) -> None:
         """Restore exactly what ``state()`` saved."""
-        unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.env.load_model_state(self.model, state["model"])
+        self.env.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.train_step.load_state_dict(state)
         self.epoch, self.step, self.batch_in_epoch = state["epoch"], state["step"], state["batch_in_epoch"]
@@ -336,7 +337,8 @@ class Trainer:
         if complete:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
             self.scheduler.after_epoch()
-            self.logger.log_histograms(unwrap(self.model), self.epoch - 1)
+            with self.env.unsharded(self.model):  # rank 0 alone logs them
+                self.logger.log_histograms(unwrap(self.model), self.epoch - 1)
             self.memory.end_epoch(self.logger, self.step, self.train_step.sizes)
         # The validation a max_steps stop adds mid-epoch is not on the schedule: an uninterrupted run would
         # not make it, so early stopping and the pruner do not count it (a resume stays exact).
@@ -391,8 +393,9 @@ class Trainer:
         # Traced once trained: a trace runs the model, and one before or during training would
         # draw dropout's random numbers and move BatchNorm's statistics.
         example = self.objective.example_input(first(self.data.val, 2, collate_function(self.cfg.data)))
-        if example is not None:
-            self.logger.log_graph(unwrap(self.model), batches.to_device(example, self.env.device))
+        if example is not None and self.env.traceable:
+            with self.env.unsharded(self.model):  # rank 0 alone traces it
+                self.logger.log_graph(unwrap(self.model), batches.to_device(example, self.env.device))
         self.logger.log_hparams(self.hparams(), {k: v for k, v in final.items() if "/" in k})
         if self.env.is_main:
             text = json.dumps(final, indent=2, allow_nan=True) + "\n"
@@ -428,7 +431,7 @@ class Trainer:
         self.env.barrier()  # every process reads best.pt only once rank 0 has finished writing it
         if self.checkpointer.best.is_file():
             # The checkpoint of the best epoch, not the last weights, is what a user would ship.
-            unwrap(self.model).load_state_dict(load_checkpoint(self.checkpointer.best, require=("model",))["model"])
+            self.env.load_model_state(self.model, load_checkpoint(self.checkpointer.best, require=("model",))["model"])
         test = self.train_step.evaluate(eval_batches(self.data.test, self.cfg.data, self.env.device, self.env.rank,
                                                      self.env.world_size), self.step)
         return {f"test/{name}": value for name, value in test.items()}
@@ -437,7 +440,7 @@ class Trainer:
         """A grid of val images captioned with predicted and true class: only where outputs are class scores of images."""
         if not (self.objective.labels_outputs and self.data.input_shape and len(self.data.input_shape) == 3):
             return
-        with torch.inference_mode():
+        with self.env.unsharded(self.model), torch.inference_mode():  # gathered first: later steps reuse its buffers
             images, labels = self.objective.inputs_and_target(first(self.data.val, 16, collate_function(self.cfg.data)))
             predictions = self.model(images.to(self.env.device)).argmax(1).cpu()
         self.logger.log_predictions(images, labels, predictions, self.epoch)

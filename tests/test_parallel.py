@@ -152,7 +152,7 @@ def test_dp_wraps_the_model_in_data_parallel_only_over_two_gpus_or_more(caplog):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel=pipeline"], "Could not find 'parallel/pipeline' Available options in 'parallel': ddp dp model none"),
+    (["parallel=pipeline"], "Could not find 'parallel/pipeline' Available options in 'parallel': ddp dp fsdp model none"),
     (["parallel=model", "parallel.microbatches=0"], "parallel.microbatches=0 is invalid"),
     (["parallel=model", "parallel.split=[2,1]"], "parallel.split=[2, 1] is invalid"),
     (["parallel=ddp", "parallel.world_size=-1"], "parallel.world_size=-1 is invalid"),

@@ -8,6 +8,7 @@ the training loop never import ``torch.distributed``.
 - none:  one process, one device.
 - dp:    ``nn.DataParallel`` over the visible GPUs (one process; see docs/parallelism.md for its costs).
 - ddp:   ``DistributedDataParallel``, one process per device (distributed.py).
+- fsdp:  FSDP2's ``fully_shard``: like ddp, each process holding a shard of the model (fsdp.py).
 - model: the model's stages on several devices, pipelined GPipe-style (pipeline.py).
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, ClassVar, Dict, List, Optional
 
 import torch
 from hydra.utils import get_object
@@ -100,6 +101,34 @@ class Environment:
     def after_failed_step(self, model: nn.Module) -> nn.Module:
         """The model to retry a step with once the processes agreed that the step failed."""
         return model
+
+    # Whether building a checkpoint's state takes every process (fsdp gathers the shards to rank 0).
+    collective_state: ClassVar[bool] = False
+    # Whether torch.jit.trace can trace the wrapped model (TensorBoard's graph).
+    traceable: ClassVar[bool] = True
+
+    def model_state(self, model: nn.Module) -> Dict[str, torch.Tensor]:
+        """The plain model's full state dict, as a checkpoint holds it (only rank 0's need be complete)."""
+        return unwrap(model).state_dict()
+
+    def load_model_state(self, model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
+        unwrap(model).load_state_dict(state)
+
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        """The optimizer's full state dict in torch's own form (parameters by index), as a checkpoint holds it."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+    def unsharded(self, model: nn.Module):
+        """Context in which the model's forward passes need no other process: evaluation, where processes
+        hold different numbers of batches, and what rank 0 alone logs."""
+        return contextlib.nullcontext()
+
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole value of a tensor computed from parameters or gradients the mode may shard."""
+        return tensor
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum of ``tensor`` over all processes, as a new tensor (the argument is left as is)."""

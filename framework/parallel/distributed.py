@@ -41,8 +41,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 
+from framework.config import chosen
 from framework.errors import ConfigError, Interrupted, RunLogHandler, RunlabError
-from framework.parallel import Compile, Environment, Mode, Task, compiled, resolve_device
+from framework.parallel import Compile, Environment, Mode, Task, compiled, mode, resolve_device
 from framework.paths import LOCK_FILE
 from framework.signals import STOP_SIGNALS
 
@@ -223,6 +224,11 @@ class DDP(Mode):
     launch = staticmethod(launch_ddp)
     launched_rank = staticmethod(launched_rank)
 
+    @staticmethod
+    def group_environment(cfg: DictConfig, **joined: Any) -> DistributedEnvironment:
+        """This process's environment once it joined the group; ``joined`` holds what join_group set up."""
+        return DistributedEnvironment(**joined)
+
 
 # --- checks ------------------------------------------------------------------------------
 
@@ -258,9 +264,9 @@ def join_group(cfg: DictConfig, rank: int, world_size: int, local_rank: int) -> 
         torch.cuda.set_device(device)
     backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.parallel.timeout_s))
-    return DistributedEnvironment(device=device, rank=rank, world_size=world_size,
-                                  sync_batchnorm=cfg.parallel.sync_batchnorm,
-                                  agree_on_out_of_memory=cfg.troubleshoot.oom_recovery, compile=Compile.of(cfg.trainer))
+    return mode(cfg).group_environment(cfg, device=device, rank=rank, world_size=world_size,
+                                       sync_batchnorm=cfg.parallel.sync_batchnorm,
+                                       agree_on_out_of_memory=cfg.troubleshoot.oom_recovery, compile=Compile.of(cfg.trainer))
 
 
 def log_as_rank(rank: int, log_file: Path) -> None:
@@ -286,8 +292,8 @@ def join_torchrun(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
         log.warning("parallel.world_size=%d is ignored: torchrun started %d processes.", cfg.parallel.world_size, world_size)
     check_distributed(cfg, world_size, resolve_device(cfg.device).type == "cuda")
     env = join_group(cfg, rank, world_size, int(os.environ["LOCAL_RANK"]))
-    log.info("parallel=ddp: rank %d of %d joined the group at %s:%s.", rank, world_size, os.environ["MASTER_ADDR"],
-             os.environ["MASTER_PORT"])
+    log.info("%s: rank %d of %d joined the group at %s:%s.", chosen("parallel", cfg.parallel), rank, world_size,
+             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
     try:
         run_dir = adopt_main_run_dir(env, run_dir)
         return task(cfg, run_dir, env)
@@ -320,7 +326,7 @@ def spawn_workers(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
     config = OmegaConf.to_container(cfg, resolve=True)
     context = mp.get_context("spawn")
     reports = context.SimpleQueue()
-    log.info("parallel=ddp: starting %d processes on 127.0.0.1:%d.", world_size, port)
+    log.info("%s: starting %d processes on 127.0.0.1:%d.", chosen("parallel", cfg.parallel), world_size, port)
     # When one worker fails, torch ends the others and says so; the failure's own message is what counts.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     workers = mp.start_processes(_worker, args=(world_size, port, config, str(run_dir), task, reports, os.getpid()),

@@ -1,0 +1,192 @@
+"""parallel=fsdp: FSDP2 (``torch.distributed.fsdp.fully_shard``), one process per device.
+
+It launches exactly as parallel=ddp does (distributed.py: processes spawned by the Hydra job,
+torchrun, the tasks of a SLURM job), and every rank reads its slice of each global batch the same
+way; what differs is the model. Each block (each top-level child of the model, or each module
+whose class ``parallel.shard_modules`` names) is sharded, then the model itself: every process
+keeps 1/world_size of each parameter, of its gradient and of the optimizer's state for it,
+gathers a block's parameters for that block's forward and backward, and reduce-scatters its
+gradients, averaged, so a step equals one step of parallel=none on the whole batch.
+
+What the rest of runlab asks of the model goes through this environment:
+
+- checkpoints stay one portable file: ``model_state`` and ``optimizer_state`` gather the full
+  state to rank 0's CPU memory, in the form parallel=none saves, and the ``load_*`` methods
+  shard such a state again, so a checkpoint moves freely between none, ddp and fsdp;
+- evaluation, and what rank 0 alone logs (TensorBoard's histograms and graph), run ``unsharded``:
+  the parameters are gathered once, so forward passes need no collective and the processes may
+  hold different numbers of evaluation batches;
+- ``trainer.precision=bf16`` keeps the parameters in bf16 for compute (FSDP2's
+  ``MixedPrecisionPolicy``) and reduces the gradients in fp32.
+
+Out-of-memory recovery cannot work here as it does under ddp: FSDP's collectives run inside the
+forward and the backward, block by block, so a process that ran out of memory cannot join the
+others at a point they all reach. A training step that runs out of memory ends the run with a
+message saying what to change; evaluation, which runs unsharded, backs off as under ddp.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from framework.errors import ConfigError, ResourceError
+from framework.parallel import Task, unwrap
+from framework.parallel.distributed import DDP, DistributedEnvironment, launch_ddp
+
+# The full state, gathered to rank 0's CPU memory (the other ranks get none of it).
+GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# Every rank holds the full state (each read the checkpoint) and keeps its own shard of it.
+FULL = StateDictOptions(full_state_dict=True)
+
+
+@dataclass
+class ShardedEnvironment(DistributedEnvironment):
+    shard_modules: List[str] = field(default_factory=list)  # parallel.shard_modules
+    reshard_after_forward: bool = True
+    param_dtype: Optional[torch.dtype] = None  # bf16 under trainer.precision=bf16
+
+    collective_state = True
+    traceable = False  # the trace's own check fails on the module classes fully_shard makes for each instance
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if self.sync_batchnorm:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = model.to(self.device)
+        policy = MixedPrecisionPolicy(param_dtype=self.param_dtype,
+                                      reduce_dtype=torch.float32 if self.param_dtype is not None else None)
+        for block in shard_blocks(unwrap(model), self.shard_modules):
+            fully_shard(block, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
+        # The root's parameters are gathered again at once for backward, so it keeps them (torch's default for it).
+        return fully_shard(model, reshard_after_forward=False, mp_policy=policy)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def processes_out_of_memory(self, model: nn.Module, ran_out: bool) -> int:
+        if ran_out:
+            raise ResourceError(
+                "a training step ran out of memory, and parallel=fsdp cannot retry it at a smaller micro-batch: "
+                "the other processes wait in a collective inside the forward or backward that this one left. Raise "
+                "trainer.accumulate_grad_batches, lower batch_size, or keep parallel.reshard_after_forward=true.")
+        return 0
+
+    def after_failed_step(self, model: nn.Module) -> nn.Module:
+        return model  # never reached: processes_out_of_memory ends the run instead
+
+    def model_state(self, model: nn.Module) -> Dict[str, torch.Tensor]:
+        return get_model_state_dict(unwrap(model), options=GATHERED)
+
+    def load_model_state(self, model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
+        set_model_state_dict(unwrap(model), state, options=FULL)
+
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        return by_index(get_optimizer_state_dict(unwrap(model), optimizer, options=GATHERED))
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
+        names = parameter_names(unwrap(model), optimizer)
+        set_optimizer_state_dict(unwrap(model), optimizer, by_name(state, names), options=FULL)
+
+    @contextlib.contextmanager
+    def unsharded(self, model: nn.Module) -> Iterator[None]:
+        sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
+        for module in sharded:
+            module.unshard()
+        model.set_reshard_after_forward(False)
+        try:
+            yield
+        finally:
+            for module in sharded:
+                if module is not model:
+                    module.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
+                module.reshard()
+
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_blocks(model: nn.Module, class_names: List[str]) -> List[nn.Module]:
+    """The modules sharded one by one before the model: those of the named classes (outermost only:
+    a block's own sub-blocks are part of it), or else each top-level child that has parameters."""
+    if not class_names:
+        return [child for child in model.children() if any(True for _ in child.parameters())]
+    blocks: List[nn.Module] = []
+    inside: set = set()
+    for module in model.modules():
+        if id(module) in inside or type(module).__name__ not in class_names:
+            continue
+        blocks.append(module)
+        inside.update(id(sub) for sub in module.modules())
+    if not blocks:
+        found = sorted({type(module).__name__ for module in model.modules()})
+        raise ConfigError(f"parallel.shard_modules={class_names} names no module of {type(model).__name__}; "
+                          f"its module classes are {', '.join(found)}.")
+    return blocks
+
+
+def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> List[str]:
+    """The name of each parameter the optimizer holds, in its order (the order torch numbers them in)."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    return [names[id(parameter)] for group in optimizer.param_groups for parameter in group["params"]]
+
+
+def by_index(state: Dict[str, Any]) -> Dict[str, Any]:
+    """A gathered optimizer state (parameters by name) in torch's own form (by index), as parallel=none saves it."""
+    if not state:
+        return state  # a rank other than 0: it writes nothing
+    names = [name for group in state["param_groups"] for name in group["params"]]
+    index = {name: i for i, name in enumerate(names)}
+    return {"state": {index[name]: value for name, value in state["state"].items()},
+            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def by_name(state: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
+    """The inverse of ``by_index``, for this optimizer's parameters ``names``."""
+    return {"state": {names[i]: value for i, value in state["state"].items()},
+            "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]]}
+
+
+def check_fsdp(cfg: DictConfig) -> None:
+    """What fsdp cannot do, refused before any process starts."""
+    if str(cfg.trainer.precision) == "fp16":
+        raise ConfigError("trainer.precision=fp16 is not supported with parallel=fsdp: the gradient scaler would see "
+                          "only this process's shard of the gradients; use trainer.precision=bf16.")
+    if cfg.trainer.compile:
+        raise ConfigError("trainer.compile=true is not supported with parallel=fsdp yet: compiling each block before "
+                          "fully_shard, as torch's guidance has it, adds _orig_mod. to the names of its parameters, "
+                          "which checkpoints must not hold; use parallel=ddp to compile, or trainer.compile=false.")
+    if cfg.checkpoint.enabled and cfg.checkpoint.every_minutes:
+        raise ConfigError(f"checkpoint.every_minutes={cfg.checkpoint.every_minutes} is not supported with parallel=fsdp: "
+                          "every process takes part in writing a checkpoint, so they must agree on when without "
+                          "comparing clocks; use checkpoint.every_n_steps.")
+
+
+def launch_fsdp(task: Task, cfg: DictConfig, run_dir) -> Any:
+    check_fsdp(cfg)
+    return launch_ddp(task, cfg, run_dir)
+
+
+class FSDP(DDP):
+    """parallel=fsdp: the task runs in every process of the group, each in its ShardedEnvironment."""
+
+    launch = staticmethod(launch_fsdp)
+
+    @staticmethod
+    def group_environment(cfg: DictConfig, **joined: Any) -> ShardedEnvironment:
+        return ShardedEnvironment(**joined, shard_modules=list(cfg.parallel.shard_modules),
+                                  reshard_after_forward=cfg.parallel.reshard_after_forward,
+                                  param_dtype=torch.bfloat16 if str(cfg.trainer.precision) == "bf16" else None)

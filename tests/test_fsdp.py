@@ -1,0 +1,119 @@
+"""parallel=fsdp (FSDP2, framework/parallel/fsdp.py) on CPU: 2 gloo processes.
+
+It trains exactly like parallel=none (per-step losses and final weights, with gradient clipping
+over the sharded gradients, with and without accumulation); its checkpoints move both ways
+between fsdp and none; a kill -9 then resume=auto reaches the uninterrupted weights; and each
+process holds about half the bytes of parameters, gradients and optimizer state that ddp's do.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import REPO, SHRINK, read_metrics
+from framework import parallel
+from framework.entry import run
+from framework.errors import ConfigError
+from framework.parallel.fsdp import shard_blocks
+from test_faults import wait_for
+from test_parallel import EXACT, assert_same_training, final_weights, gone, running_losses, worker_pids
+from test_schedule import saved_mid_epoch
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from parallel_modes import run_config, trained_state_bytes  # noqa: E402
+
+# Clipping that binds at every step: a norm computed over one shard only would clip differently.
+CLIPPED = [*EXACT, "trainer.gradient_clip_val=0.1"]
+FSDP = ["parallel=fsdp", "parallel.world_size=2"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The parallel=none run fsdp is compared with."""
+    root = tmp_path_factory.mktemp("reference")
+    run([*SHRINK, *CLIPPED, f"paths.output_dir={root / 'outputs'}"], run_dir=str(root / "run"))
+    return root / "run"
+
+
+def test_blocks_are_top_level_children_or_the_named_classes():
+    model = nn.Sequential(nn.Flatten(), nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.Linear(2, 2))
+    assert shard_blocks(model, []) == [model[1], model[2]]  # Flatten holds no parameters
+    assert shard_blocks(model, ["Linear"]) == [model[1][0], model[2]]
+    assert shard_blocks(model, ["Sequential"]) == [model]  # outermost only
+    with pytest.raises(ConfigError, match=r"parallel.shard_modules=\['Block'\] names no module of Sequential"):
+        shard_blocks(model, ["Block"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.precision=fp16"], "trainer.precision=fp16 is not supported with parallel=fsdp"),
+    (["checkpoint.every_minutes=5"], "checkpoint.every_minutes=5.0 is not supported with parallel=fsdp"),
+    (["trainer.compile=true"], "trainer.compile=true is not supported with parallel=fsdp"),
+])
+def test_what_fsdp_cannot_do_is_refused_before_any_process_starts(train, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        train(*FSDP, *overrides)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_equals_one_device_moves_its_checkpoints_both_ways_and_holds_half_the_bytes(train, reference, tmp_path):
+    # Each process also splits its half of the batch into 2 micro-batches (no gradient sync on the first).
+    metrics, run_dir = train(*CLIPPED, *FSDP, "trainer.accumulate_grad_batches=2")
+    assert_same_training(run_dir, reference, tolerance=1e-5)
+    assert metrics == read_metrics(run_dir)
+    assert "parallel=fsdp: starting 2 processes" in (run_dir / "train.log").read_text()
+    # A third epoch: from the fsdp checkpoint under none, and from the none checkpoint under fsdp
+    # (without accumulation), each equal to none continuing its own.
+    third = [*SHRINK, *CLIPPED, "trainer.max_epochs=3", f"paths.output_dir={tmp_path}"]
+    expected, replica = continued(third, reference, tmp_path / "expected")
+    from_fsdp, _ = continued(third, run_dir, tmp_path / "from_fsdp")
+    to_fsdp, shard = continued([*third, *FSDP], reference, tmp_path / "to_fsdp")
+    # Equal losses at each step of the third epoch: the optimizer's moments came along too.
+    torch.testing.assert_close(torch.tensor(running_losses(to_fsdp)), torch.tensor(running_losses(expected)), rtol=0,
+                               atol=1e-5)
+    for run_dir in (to_fsdp, from_fsdp):
+        for name, value in final_weights(expected).items():
+            torch.testing.assert_close(final_weights(run_dir)[name], value, rtol=0, atol=1e-5, msg=name)
+    # ddp holds a whole replica of the parameters, gradients and optimizer state on every process, as
+    # parallel=none's one process does; each fsdp process holds a shard of each, the loaded state included.
+    assert replica["optimizer state"] > replica["parameters"] > 10_000  # AdamW: two moments per parameter
+    for kind, size in replica.items():
+        assert 0.45 < shard[kind] / size < 0.55, (kind, shard, replica)
+
+
+def continued(overrides: List[str], run_dir: Path, new_run_dir: Path) -> Tuple[Path, Dict[str, int]]:
+    """A run resumed from ``run_dir``'s last.pt, and the bytes of state its rank 0 held at the end."""
+    cfg = run_config([*overrides, f"resume={run_dir / 'checkpoints/last.pt'}"])
+    return new_run_dir, parallel.launch(trained_state_bytes, cfg, new_run_dir)["bytes"]
+
+
+# 95 steps, checkpointed every 4: the kill comes mid-run.
+KILLED = ["trainer.max_epochs=5", "batch_size=64", "model.width=32", "early_stopping.enabled=false", "logger=none",
+          "checkpoint.every_n_steps=4"]
+
+
+@pytest.mark.timeout(300)
+def test_kill_9_then_resume_auto_reaches_the_uninterrupted_weights(train, user, cli, tmp_path):
+    args = ["parallel=fsdp", "name=killed", *KILLED, "trainer.progress_bar=false"]
+    log = tmp_path / "first.log"
+    process = user.start(shlex.join(["python", "run.py", *args]), log)
+    wait_for(lambda: saved_mid_epoch(lambda: user.outputs.glob("killed/*/checkpoints/last.pt")), process, log)
+    workers = worker_pids(process.pid)
+    os.killpg(process.pid, signal.SIGKILL)
+    assert process.wait(timeout=60) == -signal.SIGKILL
+    assert all(gone(pid) for pid in workers), "an fsdp worker outlived its launcher"
+    resumed = cli(*args, "resume=auto", timeout=200)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    second = user.runs("killed")[-1]
+    assert "Resumed from" in (second / "train.log").read_text()
+    assert read_metrics(second)["step"] == 5 * 19  # 1,257 train samples: 19 batches of 64
+    _, reference = train(*KILLED)
+    for name, value in final_weights(reference).items():
+        torch.testing.assert_close(final_weights(second)[name], value, rtol=0, atol=1e-5, msg=name)
