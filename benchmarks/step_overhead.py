@@ -27,6 +27,7 @@ Early stopping is off in every runlab run so that all of them train every epoch.
     python benchmarks/step_overhead.py [--epochs 30] [--rounds 5] [--threads 1]
     python benchmarks/step_overhead.py --epochs 300 --rounds 3
     python benchmarks/step_overhead.py --loader dataloader [--workers 0]
+    python benchmarks/step_overhead.py --device cuda   both on the GPU (benchmarks/gpu_check.sh runs it)
     python benchmarks/step_overhead.py --cold-start [--rounds 7]   whole processes (benchmarks/startup.py)
 """
 from __future__ import annotations
@@ -108,10 +109,10 @@ def loss_and_accuracy(model, x, y):
     return F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
 
 
-def digits_mlp(epochs: int):
+def digits_mlp(epochs: int, device: str = "cpu"):
     """experiment=digits_mlp's model, optimizer and schedule."""
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, WIDTH), torch.nn.ReLU(),
-                                torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, 10))
+                                torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, 10)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     return model, optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
 
@@ -131,13 +132,13 @@ def durable_checkpoint(model, optimizer, epoch: int, directory: str) -> None:
         os.close(folder)
 
 
-def hand_written(epochs: int, checkpoint_dir: str = "") -> None:
+def hand_written(epochs: int, checkpoint_dir: str = "", device: str = "cpu") -> None:
     torch.manual_seed(SEED)
-    (train_x, train_y), (val_x, val_y), (test_x, test_y) = digits_splits()
-    model, optimizer, schedule = digits_mlp(epochs)
+    (train_x, train_y), (val_x, val_y), (test_x, test_y) = (tuple(t.to(device) for t in split) for split in digits_splits())
+    model, optimizer, schedule = digits_mlp(epochs, device)
     for epoch in range(epochs):
         model.train()
-        order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(SEED + epoch))
+        order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(SEED + epoch)).to(device)
         for start in range(0, len(order) - BATCH + 1, BATCH):
             index = order[start:start + BATCH]
             optimizer.zero_grad(set_to_none=True)
@@ -258,23 +259,26 @@ def main() -> None:
                         help="the data as tensors in memory, or a per-sample Dataset through DataLoaders")
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (--loader dataloader)")
     parser.add_argument("--cold-start", action="store_true", help="time whole processes instead (benchmarks/startup.py)")
+    parser.add_argument("--device", default="cpu", help="where both train, e.g. cuda (--loader memory, no Lightning)")
     args = parser.parse_args()
+    if args.device != "cpu" and args.loader == "dataloader":
+        parser.error("--device applies to --loader memory only")
     if args.cold_start:
         from startup import cold_start
 
         return cold_start(args.rounds)
     torch.set_num_threads(args.threads)
-    overrides = ["experiment=digits_mlp", "early_stopping.enabled=false", "device=cpu"]
-    hand, data = (lambda: hand_written(args.epochs)), "tensors in memory"
+    overrides = ["experiment=digits_mlp", "early_stopping.enabled=false", f"device={args.device}"]
+    hand, data = (lambda: hand_written(args.epochs, device=args.device)), f"tensors in memory, on {args.device}"
     if args.loader == "dataloader":
         overrides += ["data=custom", f"data._target_={FACTORY}", f"data.num_workers={args.workers}"]
         hand, data = (lambda: hand_written_loader(args.epochs, args.workers)), f"DataLoaders, {args.workers} workers"
     with tempfile.TemporaryDirectory() as workdir:
-        floors = {"hand-written + checkpoint": lambda: hand_written(args.epochs, tempfile.mkdtemp(dir=workdir))}
+        floors = {"hand-written + checkpoint": lambda: hand_written(args.epochs, tempfile.mkdtemp(dir=workdir), args.device)}
         ways = {"hand-written": hand, **(floors if args.loader == "memory" else {}),
                 "runlab defaults": lambda: runlab(overrides, args.epochs, workdir),
                 "runlab bare": lambda: runlab([*overrides, *BARE], args.epochs, workdir),
-                **(lightning_ways(args.epochs, workdir) if args.loader == "memory" else {})}
+                **(lightning_ways(args.epochs, workdir) if args.loader == "memory" and args.device == "cpu" else {})}
         times: Dict[str, List[float]] = {name: [] for name in ways}
         cpu: Dict[str, List[float]] = {name: [] for name in ways}
         leftovers: Dict[str, Tuple[int, float]] = {}
@@ -304,7 +308,7 @@ def main() -> None:
         if workers:
             print(f"  {name} left {workers} DataLoader workers running after it returned; the garbage collector "
                   f"stopped them in {seconds:.1f} s, not counted above")
-    if args.loader == "memory" and not any(name.startswith("lightning") for name in median):
+    if args.loader == "memory" and args.device == "cpu" and not any(name.startswith("lightning") for name in median):
         print("  (lightning is not installed: no Lightning figures)")
 
 
