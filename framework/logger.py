@@ -267,6 +267,8 @@ class TensorBoardLogger(Logger):
                 # The trace's notes on Python values it freezes (an RNN's size checks): the graph is a
                 # picture of the model, not a program to run, so they say nothing to the user.
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                # torch 2.14 marks the jit.trace that add_graph calls deprecated: TensorBoard's to change, not the user's.
+                warnings.filterwarnings("ignore", r"`torch\.jit\.trace(_method)?` is deprecated", FutureWarning)
                 self.writer.add_graph(model, example)
         except OSError:
             raise  # the disk, not the model

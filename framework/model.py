@@ -5,8 +5,9 @@ devices or processes (parallel.py wraps them), and a pipeline can split them by 
 Each names its output layer in ``head_name`` so fine-tuning can replace it by name.
 
 ``model=torchvision`` and ``model=timm`` build other libraries' classification models by
-name, with random weights (pretrained ones come from a local file through finetune.from),
-when the optional extra of that name is installed.
+name, with random weights: pretrained ones come from a local file through finetune.from, which
+replaces the head and freezes by name as for runlab's own models. torchvision is a dependency,
+timm an optional extra.
 """
 from __future__ import annotations
 
@@ -138,9 +139,13 @@ class CharLM(nn.Module):
         return nn.functional.cross_entropy(logits.flatten(0, 1).float(), following.flatten())
 
 
+# How each library the builders import is installed: torchvision comes with runlab, timm is an extra.
+INSTALLS = {"torchvision": "pip install -c constraints.txt -e .", "timm": "pip install -c constraints.txt -e '.[timm]'"}
+
+
 def import_extra(package: str) -> Any:
-    """``torchvision`` or ``timm``, which the project's optional extra of that name installs."""
-    install = f"pip install -c constraints.txt -e '.[{package}]'"
+    """``torchvision`` or ``timm``, or one line saying how to install it or why it does not import."""
+    install = INSTALLS[package]
     try:
         return importlib.import_module(package)
     except ImportError:

@@ -1,33 +1,21 @@
-"""Image folders (data=imagefolder), other libraries' backbones (model=torchvision|timm) and their
-plain state dicts as finetune.from, walked as a user types them."""
+"""Image folders (data=imagefolder) and plain state dicts as finetune.from, walked as a user types
+them (the real torchvision and timm models: tests/test_vision.py)."""
 import json
 import re
 import stat
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from PIL import Image
 
-from conftest import aids_on_path, one_line_error, read_metrics
+from conftest import aids_on_path, read_metrics
 from framework.checkpoint import load_checkpoint, load_model
 from framework.data import load_digits_arrays
-from framework.errors import ConfigError
 from framework.export import load_artifact
-from framework.model import import_extra
 
 QUIET = "logger=none trainer.progress_bar=false"
 DIGIT_NAMES = {0: "zero", 1: "one", 5: "five", 6: "six", 7: "seven"}
-
-
-def torchvision_imports() -> str:
-    """Why model=torchvision cannot run here, or "" when it can."""
-    try:
-        import_extra("torchvision")
-        return ""
-    except ConfigError as error:
-        return str(error)
 
 
 def write_digit_pngs(root: Path, digits, per_class: int, size: int = 32, splits=("",)) -> Path:
@@ -89,40 +77,3 @@ def test_a_plain_state_dict_finetunes_with_its_head_found_and_its_layers_frozen_
     before = other.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("layer1."))  # BatchNorm statistics too
     assert not torch.equal(before["conv1.weight"], after["conv1.weight"]) and after["fc.weight"].shape == (5, 32)
-
-
-@pytest.mark.skipif(not torchvision_imports(), reason="torchvision imports here; the one-line error is for where it does not")
-def test_model_torchvision_without_a_working_torchvision_names_the_install_command(cli):
-    line = one_line_error(cli("model=torchvision", "model.name=resnet18"))
-    assert "pip install -c constraints.txt -e '.[torchvision]'" in line
-
-
-@pytest.mark.skipif(bool(torchvision_imports()), reason=torchvision_imports() or "")
-def test_torchvision_resnet18_pretrains_on_images_then_finetunes_from_its_plain_state_dict(user, tmp_path):
-    small = (f"model=torchvision model.name=resnet18 data.transforms.resize=32 batch_size=16 trainer.max_epochs=1 "
-             f"trainer.max_steps=2 {QUIET}")
-    source = write_digit_pngs(tmp_path / "source", (0, 1, 7), per_class=16)
-    target = write_digit_pngs(tmp_path / "target", (5, 6), per_class=16)
-    pretrained = user.run(f"python run.py data=imagefolder data.root={source} {small}")
-    assert pretrained.returncode == 0, pretrained.stderr[-3000:]
-    weights = tmp_path / "resnet18.pth"
-    torch.save(load_model(user.runs("train")[-1] / "checkpoints" / "last.pt").state_dict(), weights)  # as torchvision saves
-
-    tuned = user.run(f"python run.py data=imagefolder data.root={target} {small} finetune.from={weights} "
-                     "'finetune.freeze=[layer1.*]'")
-    assert tuned.returncode == 0, tuned.stderr[-3000:]
-    assert "Head 'fc' re-initialised: the number of classes changed" in tuned.stdout
-    assert "ignored 2 from the file (fc.weight, fc.bias)" in tuned.stdout
-    run_dir = user.runs("train")[-1]
-    before, after = torch.load(weights), load_checkpoint(run_dir / "checkpoints" / "last.pt")["model"]
-    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("layer1."))
-    assert not torch.equal(before["layer2.0.conv1.weight"], after["layer2.0.conv1.weight"])
-
-    assert user.run("python run.py task=eval ckpt=outputs/train").returncode == 0
-    assert "test/acc/five" in read_metrics(user.runs("eval")[-1])
-    assert user.run("python run.py task=export ckpt=outputs/train").returncode == 0
-    artifact = user.runs("export")[-1] / "artifact"
-    model = load_artifact(artifact)
-    assert model.classes == ["five", "six"] and type(model).__name__ == "ResNet"
-    x = torch.randn(2, 3, 32, 32)
-    assert torch.equal(model(x), torch.export.load(artifact / "model.pt2").module()(x))

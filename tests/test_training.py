@@ -13,10 +13,12 @@ from framework.entry import run
 
 # The experiments the repository holds (git tracks), not files a sweep exported there
 # (hydra.sweeper.export_dir=experiments). digits_finetune starts from a digits_pretrain run;
-# the sweep below and test_transfer.py run it.
+# the sweep below and test_transfer.py run it. folder_resnet18 needs the image folders and the
+# weights file that the README's commands before it make; tests/test_readme.py runs them all.
+AFTER_README = "folder_resnet18"
 EXPERIMENTS = sorted(Path(name).stem for name in subprocess.run(["git", "ls-files", "experiments/*.yaml"], cwd=REPO,
                                                                  capture_output=True, text=True, check=True).stdout.split()
-                     if Path(name).stem != "digits_finetune")
+                     if Path(name).stem not in ("digits_finetune", AFTER_README))
 
 
 def final_weights(run_dir: Path):
@@ -40,10 +42,10 @@ def test_every_experiment_runs(train, name):
 @pytest.mark.timeout(600)
 def test_every_experiment_runs_in_one_sweep_on_a_fresh_clone(cli, user):
     """lightning-hydra-template's smoke test; digits_finetune runs digits_pretrain first, as there is none yet."""
-    result = cli("-m", "experiment=glob(*)", "trainer.max_steps=1", "trainer.progress_bar=false")
+    result = cli("-m", f"experiment=glob(*,exclude={AFTER_README})", "trainer.max_steps=1", "trainer.progress_bar=false")
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = sorted(user.outputs.glob("*/multirun/*/*/metrics.json"))
-    assert len(jobs) == len(list((REPO / "experiments").glob("*.yaml")))
+    assert len(jobs) == len(list((REPO / "experiments").glob("*.yaml"))) - 1
     assert ("finetune.pretrain runs first: python run.py experiment=digits_pretrain trainer.max_steps=1 "
             "trainer.progress_bar=False") in result.stdout
     pretrained = user.runs("digits_pretrain")
