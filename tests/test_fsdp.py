@@ -21,8 +21,8 @@ from torch import nn
 from conftest import REPO, SHRINK, read_metrics
 from framework import parallel
 from framework.entry import run
-from framework.errors import ConfigError
-from framework.parallel.fsdp import shard_blocks
+from framework.errors import ConfigError, ResourceError
+from framework.parallel.fsdp import ShardedEnvironment, shard_blocks
 from test_faults import wait_for
 from test_parallel import EXACT, assert_same_training, final_weights, gone, running_losses, worker_pids
 from test_schedule import saved_mid_epoch
@@ -60,6 +60,15 @@ def test_blocks_are_top_level_children_or_the_named_classes():
 def test_what_fsdp_cannot_do_is_refused_before_any_process_starts(train, overrides, message):
     with pytest.raises(ConfigError, match=message):
         train(*FSDP, *overrides)
+
+
+def test_a_training_step_out_of_memory_ends_the_run_without_a_collective():
+    """A process that ran out cannot meet the others (they wait inside FSDP's collectives); a healthy one asks
+    nobody (no process group here: a collective would fail)."""
+    env = ShardedEnvironment(device=torch.device("cpu"))
+    assert env.processes_out_of_memory(nn.Linear(2, 2), ran_out=False) == 0
+    with pytest.raises(ResourceError, match="parallel=fsdp cannot retry it at a smaller micro-batch"):
+        env.processes_out_of_memory(nn.Linear(2, 2), ran_out=True)
 
 
 @pytest.mark.timeout(300)

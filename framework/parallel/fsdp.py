@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -83,9 +84,6 @@ class ShardedEnvironment(DistributedEnvironment):
                 "the other processes wait in a collective inside the forward or backward that this one left. Raise "
                 "trainer.accumulate_grad_batches, lower batch_size, or keep parallel.reshard_after_forward=true.")
         return 0
-
-    def after_failed_step(self, model: nn.Module) -> nn.Module:
-        return model  # never reached: processes_out_of_memory ends the run instead
 
     def model_state(self, model: nn.Module) -> Dict[str, torch.Tensor]:
         return get_model_state_dict(unwrap(model), options=GATHERED)
@@ -175,7 +173,7 @@ def check_fsdp(cfg: DictConfig) -> None:
                           "comparing clocks; use checkpoint.every_n_steps.")
 
 
-def launch_fsdp(task: Task, cfg: DictConfig, run_dir) -> Any:
+def launch_fsdp(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
     check_fsdp(cfg)
     return launch_ddp(task, cfg, run_dir)
 
