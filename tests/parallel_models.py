@@ -16,9 +16,8 @@ class CrashingMLP(MLP):
     Rank 0 is then waiting in the gradient all-reduce: the job must still end, with the error shown.
     """
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int, width: int = 256, depth: int = 2,
-                 dropout: float = 0.0, batch_norm: bool = False, crash: str = "raise"):
-        super().__init__(input_shape, num_classes, width, depth, dropout, batch_norm)
+    def __init__(self, input_shape: Sequence[int], num_classes: int, crash: str = "raise", **mlp):
+        super().__init__(input_shape, num_classes, **mlp)  # model=mlp's keys
         self.crash, self.calls = crash, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
