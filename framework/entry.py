@@ -19,7 +19,8 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from framework import config
 from framework.config import CONF_DIR, metric_value, validate
-from framework.errors import ConfigError, Interrupted, RunLogHandler, RunlabError, error_from_exit, exit_with
+from framework.errors import (LOG_FORMAT, ConfigError, Interrupted, RunLogHandler, RunlabError, error_from_exit,
+                              exit_with)
 from framework.paths import create_run_dir
 from framework.results import RunResult, SweepResult
 from framework.search.summary import record_failed_job
@@ -27,7 +28,6 @@ from framework.search.summary import record_failed_job
 log = logging.getLogger("framework")
 
 RUN_SCRIPT = Path(__file__).resolve().parent.parent / "run.py"
-LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's, as conf/hydra/default.yaml sets it
 
 
 def execute(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:

@@ -120,6 +120,11 @@ def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
+# Every line of the console and train.log, of a plain run, a Python or notebook run and each ddp rank (a
+# worker's prefixed with its rank); conf/hydra/default.yaml reads it through the runlab.log_format resolver.
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+
+
 class RunLogHandler(logging.FileHandler):
     """train.log. A line that cannot be written for want of space is dropped quietly: the run
     stops at its next checkpoint, TensorBoard or metrics.json write with one line, and a

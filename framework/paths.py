@@ -32,7 +32,7 @@ from typing import Any, List, Optional, Set
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from framework.errors import ConfigError, ResourceError, RunlabError, disk_full, exit_with, out_of_space
+from framework.errors import LOG_FORMAT, ConfigError, ResourceError, RunlabError, disk_full, exit_with, out_of_space
 from framework.help import text as help_text
 
 LOCK_FILE = "run.lock"
@@ -139,6 +139,7 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("runlab.new_dir", new_dir, use_cache=True)
         OmegaConf.register_new_resolver("runlab.study_dir", study_dir, use_cache=True)
         OmegaConf.register_new_resolver("runlab.help", lambda *, _root_: help_text(_root_))  # run.py --help (conf/hydra/default.yaml)
+        OmegaConf.register_new_resolver("runlab.log_format", lambda: LOG_FORMAT)  # Hydra's job_logging (conf/hydra/default.yaml)
 
 
 HELD_LOCKS: Set = set()  # the run.lock files this process holds open

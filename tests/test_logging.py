@@ -1,4 +1,5 @@
 import csv
+import logging
 import re
 import subprocess
 import sys
@@ -200,3 +201,25 @@ def test_a_resumed_training_is_one_tensorboard_run_whose_curves_go_on(train):
     steps = [event.step for event in events.Scalars("train/loss_running")]
     assert steps == list(range(5, 58, 5))  # one curve, each step once, on to the end of epoch 3
     assert [event.step for event in events.Scalars("overview/metric/val/acc")] == [19, 30, 38, 57]
+
+
+def test_every_log_line_has_the_one_format_and_a_ddp_worker_its_rank_prefix(tmp_path):
+    from conftest import composed
+    from framework.errors import LOG_FORMAT
+    from framework.parallel.distributed import log_as_rank
+
+    assert composed().hydra.job_logging.formatters.simple.format == LOG_FORMAT  # python run.py's console and train.log
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        log_as_rank(1, tmp_path / "train.log")
+        assert {handler.formatter._fmt for handler in root.handlers} == {"[rank 1]" + LOG_FORMAT}
+    finally:
+        for handler in root.handlers[:]:
+            root.removeHandler(handler)
+            handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    # Written once: a second copy of the format would drift from this one.
+    sources = [*REPO.joinpath("framework").rglob("*.py"), *REPO.joinpath("conf").rglob("*.yaml")]
+    assert [path.name for path in sources if "%(asctime)" in path.read_text()] == ["errors.py"]

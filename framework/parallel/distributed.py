@@ -42,7 +42,7 @@ from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 
 from framework.config import chosen
-from framework.errors import ConfigError, Interrupted, RunLogHandler, RunlabError
+from framework.errors import LOG_FORMAT, ConfigError, Interrupted, RunLogHandler, RunlabError
 from framework.parallel import Compile, Environment, Mode, Task, compiled, mode, resolve_device
 from framework.paths import LOCK_FILE
 from framework.signals import STOP_SIGNALS
@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 
 # DDP's switch for its buffer broadcast before each forward: forward_sync_buffers from torch 2.13,
