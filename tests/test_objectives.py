@@ -218,3 +218,18 @@ def test_a_run_stops_its_dataloader_workers_when_it_ends(train, user_package):
 
     train(*USER_DATA, "data._target_=userdata.digits_as", "+data.kind=pairs", "data.num_workers=2", "trainer.max_epochs=1")
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize("direction, expected", [("min", ["minimize"]), ("auto", ["minimize"]), ("minimize", ["minimize"])])
+def test_the_sweeper_takes_the_direction_in_checkpoint_modes_words_or_optunas(direction, expected):
+    from test_optuna_compat import runlab_sweeper
+
+    sweeper = runlab_sweeper(direction=direction)
+    sweeper.config = composed("checkpoint.monitor=val/loss")
+    sweeper.check()
+    assert sweeper.directions == expected
+    contradicting = runlab_sweeper(direction="max")
+    contradicting.config = sweeper.config
+    with pytest.raises(ConfigError, match=r"direction=maximize does not fit optimized_metric=val/loss, which is better "
+                                          r"lower; use auto \(or minimize\)"):
+        contradicting.check()

@@ -51,7 +51,13 @@ from framework.search.study import (PURPOSE, STOPPED, Heartbeat, default_storage
 log = logging.getLogger(__name__)
 
 OOM_MARKERS = ("out of memory", "can't allocate memory")
-DIRECTIONS = ("minimize", "maximize")
+# hydra.sweeper.direction takes the words of checkpoint.mode and early_stopping.mode (framework/config.py's
+# Direction: min, max) as well as Optuna's, which the stock hydra-optuna-sweeper's configs hold. All default
+# to auto, the metric's own direction from the objective, so a user sets no direction at all. They stay
+# three keys because they may watch different metrics: optimized_metric can differ from checkpoint.monitor,
+# or list several.
+OPTUNA_DIRECTIONS = {"min": "minimize", "max": "maximize"}
+DIRECTIONS = tuple(OPTUNA_DIRECTIONS.values())
 # Draws in a row that repeat tried configurations before a random untried one is taken instead.
 MAX_DRAWS = 30
 # Runs of a trial whose driver died: the first, and one more.
@@ -119,7 +125,7 @@ class StudySweeper(Sweeper):
                  heartbeat_s: int = 10, grace_s: int = 60) -> None:
         self.sampler, self.pruner = sampler, pruner
         # Stock configs may hold optuna's Direction enum; runlab's hold the strings.
-        self.directions = [str(getattr(d, "name", d)) for d in as_list(direction)]
+        self.directions = [OPTUNA_DIRECTIONS.get(str(d), str(getattr(d, "name", d))) for d in as_list(direction)]
         self.storage, self.study_name = storage, study_name
         self.n_trials, self.n_jobs, self.max_failure_rate = n_trials, max(1, n_jobs), max_failure_rate
         self.params, self.custom_search_space, self.export_dir = params, custom_search_space, export_dir
@@ -222,8 +228,8 @@ class StudySweeper(Sweeper):
         if not 0.0 <= self.max_failure_rate <= 1.0:
             raise ConfigError(f"hydra.sweeper.max_failure_rate={self.max_failure_rate} is invalid; use a fraction from 0 to 1.")
         if any(direction not in (*DIRECTIONS, "auto") for direction in self.directions):
-            raise ConfigError(f"hydra.sweeper.direction={self.directions} is invalid; use auto, minimize or maximize, "
-                              "or a list of them, one per objective.")
+            raise ConfigError(f"hydra.sweeper.direction={self.directions} is invalid; use auto, max or min (maximize "
+                              "or minimize), or a list of them, one per objective.")
         objectives = as_list(self.config.get("optimized_metric")) if "optimized_metric" in self.config else None
         if objectives is not None and len(self.directions) == 1 and len(objectives) > 1 and self.directions == ["auto"]:
             self.directions = self.directions * len(objectives)
@@ -249,7 +255,7 @@ class StudySweeper(Sweeper):
         known[f"best/{self.config.checkpoint.monitor}"] = known.get(str(self.config.checkpoint.monitor))
         resolved = []
         for metric, direction in zip(objectives, self.directions):
-            wanted = {"min": "minimize", "max": "maximize"}.get(known.get(str(metric)))
+            wanted = OPTUNA_DIRECTIONS.get(known.get(str(metric)))
             if wanted and direction not in ("auto", wanted):
                 raise ConfigError(f"hydra.sweeper.direction={direction} does not fit optimized_metric={metric}, which is "
                                   f"better {'lower' if wanted == 'minimize' else 'higher'}; use auto (or {wanted}).")

@@ -45,7 +45,8 @@ class RunlabSweeperConf:
     defaults: List[Any] = field(default_factory=lambda: ["_self_", {"sampler": "tpe"}, {"pruner": None}])
     sampler: Any = MISSING  # hydra/sweeper/sampler=tpe|random|cmaes|nsgaii|... (hydra-optuna-sweeper's)
     pruner: Optional[PrunerConfig] = None  # hydra/sweeper/pruner=median|successive_halving|hyperband
-    # Of optimized_metric; a list (one per metric) when optimized_metric lists several: [maximize, minimize].
+    # Of optimized_metric: maximize or minimize (or max, min: checkpoint.mode's words), auto in runlab's run.py; a
+    # list (one per metric) when optimized_metric lists several: [maximize, minimize].
     direction: Any = "maximize"
     # The study persists here; every trial opens it to report epochs. Empty: sqlite in the sweep dir;
     # null: in memory (the stock sweeper's default), so the sweep cannot be resumed or pruned.
