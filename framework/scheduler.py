@@ -8,12 +8,9 @@ import warnings
 from typing import Optional
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from framework.errors import instantiate
-
-# A scheduler's state that says where it is, not which schedule it follows.
-POSITION = ("last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial", "base_lrs")
 
 
 class Scheduler:
@@ -47,12 +44,11 @@ class Scheduler:
             self.scheduler.load_state_dict(state)
 
 
-def same_schedule(configured: dict, saved: dict) -> bool:
-    """Whether two scheduler states follow the same schedule, wherever each one is on it."""
-    def schedule(state: dict) -> dict:
-        return {key: value for key, value in state.items() if key not in POSITION}
-
-    return configured.keys() == saved.keys() and schedule(configured) == schedule(saved)
+def same_schedule(saved_config: dict, cfg: DictConfig) -> bool:
+    """Whether a checkpoint's run (its resolved config) followed the schedule ``cfg`` builds: the same
+    scheduler option and keys, resolved, so that a new budget (cosine's T_max is trainer.max_epochs)
+    or interval is a new schedule."""
+    return saved_config.get("scheduler") == OmegaConf.to_container(cfg.scheduler, resolve=True, enum_to_str=True)
 
 
 def constant(optimizer: torch.optim.Optimizer) -> None:

@@ -130,11 +130,11 @@ class Trainer:
         state = load_checkpoint(source, require=TRAINING_STATE)
         check_same_model(state["model_spec"], self.spec, source)
         changes = changed_settings(state["config"], self.cfg)
-        groups, schedule = configured_groups(self.optimizer), self.scheduler.state_dict()
+        groups = configured_groups(self.optimizer)
         self.load_state(state)
         # The checkpoint restored its optimizer hyperparameters and schedule; this config's apply instead.
         # A new lr, budget (T_max) or schedule continues on the schedule this config builds.
-        if keep_configured(self.optimizer, groups) or not same_schedule(schedule, state["scheduler"]):
+        if keep_configured(self.optimizer, groups) or not same_schedule(state["config"], self.cfg):
             restart_lr(self.optimizer, groups)
             self.scheduler = build_scheduler(self.cfg.scheduler, self.optimizer)
             self.scheduler.fast_forward(self.epoch, self.step)

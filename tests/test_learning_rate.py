@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hydra.utils import instantiate
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 from conftest import composed
 from framework.config import validate
@@ -39,3 +39,20 @@ def test_the_optimizer_trains_at_lr(overrides, expected):
     validate(cfg)
     optimizer = instantiate(cfg.optimizer, params=[torch.nn.Parameter(torch.zeros(1))])
     assert optimizer.param_groups[0]["lr"] == expected == cfg.lr
+
+
+def resolved(*overrides: str) -> dict:
+    """A config as a checkpoint holds it."""
+    cfg = composed(*overrides)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
+def test_a_resumed_run_keeps_the_checkpoints_schedule_only_where_its_config_builds_the_same_one():
+    from framework.scheduler import same_schedule
+
+    saved = resolved("scheduler=cosine", "trainer.max_epochs=2")
+    assert same_schedule(saved, composed("scheduler=cosine", "trainer.max_epochs=2", "lr=0.01", "seed=3"))
+    for other in (["trainer.max_epochs=4"], ["scheduler.interval=step"], ["scheduler=step"], ["scheduler=none"]):
+        assert not same_schedule(saved, composed("scheduler=cosine", "trainer.max_epochs=2", *other)), other
