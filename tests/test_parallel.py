@@ -350,28 +350,3 @@ def test_a_user_error_in_a_ddp_worker_stays_a_config_error(train):
     # re-raised as itself, so run.py prints its one sentence instead of a worker's traceback.
     with pytest.raises(ConfigError, match="accumulate_grad_batches=3 does not divide the per-process batch of 64"):
         train("parallel=ddp", "batch_size=128", "trainer.accumulate_grad_batches=3")
-
-
-def test_the_private_ddp_api_the_out_of_memory_agreement_relies_on(tmp_path):
-    """zero_gradient_buckets reads DDP's reducer: its buckets, in all-reduce order, holding zeros; the
-    agreement's DDP (whichever buffer keyword this torch has) broadcasts no buffers before a forward."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from framework.parallel.distributed import OutOfMemoryAgreement, zero_gradient_buckets
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        model = MLP([64], 10, width=512, depth=3, dropout=0.0, batch_norm=False)
-        model.head.bias.requires_grad_(False)  # frozen parameters have no bucket
-        buckets = zero_gradient_buckets(DistributedDataParallel(model))
-        assert [bucket.index() for bucket in buckets] == list(range(len(buckets)))
-        assert sum(bucket.buffer().numel() for bucket in buckets) == sum(p.numel() for p in model.parameters()
-                                                                         if p.requires_grad)
-        assert all(not bucket.buffer().any() for bucket in buckets)
-        # The agreement averages buffers itself: its DDP broadcasts none before a forward.
-        with_buffers = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
-        assert DistributedDataParallel(with_buffers).will_sync_module_buffers()
-        assert not OutOfMemoryAgreement(with_buffers, torch.device("cpu")).wrap(with_buffers, None).will_sync_module_buffers()
-    finally:
-        dist.destroy_process_group()

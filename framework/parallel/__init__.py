@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from framework.errors import ConfigError
+from framework.private_apis import compiled_original
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class DataParallelEnvironment(Environment):
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain model inside any wrapper (DataParallel, DDP, Pipeline, torch.compile)."""
     while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        inner = getattr(model, "module", None) or compiled_original(model)
         if inner is None:
             return model
         model = inner
@@ -171,7 +172,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 def hookable(model: nn.Module) -> nn.Module:
     """The module to hook a forward of: the compiled one where trainer.compile made one, since its
     hooks run before the compiled code (the plain model's are traced into it), else the plain model."""
-    while "_orig_mod" not in dict(model.named_children()):
+    while compiled_original(model) is None:
         inner = getattr(model, "module", None)
         if inner is None:
             return model

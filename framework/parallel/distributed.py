@@ -45,6 +45,7 @@ from framework.config import chosen
 from framework.errors import LOG_FORMAT, ConfigError, Interrupted, RunLogHandler, RunlabError
 from framework.parallel import Compile, Environment, Mode, Task, compiled, mode, resolve_device
 from framework.paths import LOCK_FILE
+from framework.private_apis import zero_gradient_buckets
 from framework.signals import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
@@ -122,13 +123,6 @@ def all_reduce_bucket(agreement, bucket):  # no annotations: DDP refuses a hook 
     """DDP's default all-reduce of one gradient bucket (the average over processes), counted: a DDP comm hook."""
     agreement.buckets_sent += 1
     return allreduce_hook(None, bucket)
-
-
-def zero_gradient_buckets(model: DistributedDataParallel) -> List[dist.GradBucket]:
-    """DDP's gradient buckets in the order its reducer all-reduces them (which DDP rebuilds after
-    the first iteration), holding zeros. Private API: DDP's own join shadows buckets this way
-    (``DistributedDataParallel._match_all_reduce_for_bwd_pass``); tests/test_parallel.py pins it."""
-    return model.reducer._get_zeros_like_grad_buckets()
 
 
 @dataclass

@@ -6,5 +6,6 @@
 - ``ray_launcher``: hydra-ray-launcher with clear errors and a safe cluster connection;
 - ``reaper``: a script that ends a local Ray instance's processes with its sweep driver, a killed one included;
 - ``slurm_launcher``: hydra-submitit-launcher's SLURM launcher (``launcher=slurm``), or the same jobs run locally.
-- ``private_apis``: the only private Optuna, Hydra-plugin and Ray APIs search/ uses, each pinned by a test.
+
+The private Optuna, Hydra-plugin and Ray APIs these use are in framework/private_apis.py.
 """

@@ -24,7 +24,7 @@ from hydra_plugins.hydra_ray_launcher.ray_launcher import RayLauncher
 from omegaconf import OmegaConf, open_dict
 
 from framework.errors import SweepError, exit_with
-from framework.search.private_apis import launch_job_on_ray, present_ray_token
+from framework.private_apis import launch_job_on_ray, present_ray_token
 from framework.search.slots import TrialSlots
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmitit
 from omegaconf import OmegaConf
 
 from framework.errors import ConfigError, SweepError, exit_with
-from framework.search.private_apis import set_submitit_executor
+from framework.private_apis import set_submitit_executor
 
 CLUSTERS = ("slurm", "local")
 # What submitit's local executor takes of the SLURM settings: the shared ones, and requeues.

@@ -9,7 +9,7 @@ import zlib
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
-from framework.search.private_apis import trial_id, uncached
+from framework.private_apis import trial_id, uncached
 
 STUDY_FILE = "study.db"
 # A FAIL trial that never ran and does not count towards n_trials: a draw that repeated a tried

@@ -42,8 +42,8 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from framework.errors import ConfigError, SweepError
-from framework.search.private_apis import (distribution_from_config, heartbeat_ages, job_error, parse_sweep_overrides,
-                                           trial_by_number, uncached)
+from framework.private_apis import (distribution_from_config, heartbeat_ages, job_error, parse_sweep_overrides,
+                                    trial_by_number, uncached)
 from framework.search.slots import BatchSlots, TrialSlots
 from framework.search.study import (PURPOSE, STOPPED, Heartbeat, default_storage, failed_trials, finished_trials, misfit,
                                     purpose, rdb_storage, run_trials, running_trials, study_lock, with_lock_timeout)

@@ -46,7 +46,7 @@ class SweepTrial(NoTrial):
         import optuna
         from hydra.utils import instantiate
 
-        from framework.search.private_apis import trial_by_number
+        from framework.private_apis import trial_by_number
 
         route_optuna_logging()
 

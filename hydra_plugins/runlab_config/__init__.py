@@ -18,6 +18,11 @@ it change anything, and then it adds what runlab's app reads:
 
 Another app sees none of it: no source, no schema, no resolver, and ``framework`` is not imported
 (tests/test_neighbour.py).
+
+``RunlabConfigSource`` extends ``hydra._internal``'s ``FileConfigSource`` (and uses the protected
+``_normalize_file_name`` and ``_list_add_result`` of Hydra's ``ConfigSource``): Hydra offers no public
+file source. It is the one private API that is not in framework/private_apis.py, since this module
+may not import ``framework``; tests/test_private_apis.py pins it with the others.
 """
 import copy
 import importlib.util

@@ -1,12 +1,19 @@
-"""Every private API of Optuna, the Hydra plugins, submitit's launcher and Ray that search/ relies on.
+"""Every private API of another library that runlab relies on: torch, Optuna, the Hydra plugins,
+submitit's launcher and Ray.
 
-The rest of search/ uses public APIs only. Each function here does a job the libraries offer
-no public way to do, at the pinned versions (optuna 2.10, hydra-core 1.3, hydra-optuna-sweeper 1.3,
-hydra-ray-launcher 1.2, hydra-submitit-launcher 1.2, ray 2.60).
-tests/test_search_private_apis.py pins what each one relies on, so that an upgrade that breaks
-one fails a test named after it instead of a sweep. The imports wait for the first call: Hydra
+The rest of runlab uses public APIs only. Each function here does a job the libraries offer
+no public way to do, at the pinned versions (torch 2.14, optuna 2.10, hydra-core 1.3,
+hydra-optuna-sweeper 1.3, hydra-ray-launcher 1.2, hydra-submitit-launcher 1.2, ray 2.60).
+tests/test_private_apis.py pins what each one relies on, so that an upgrade that breaks
+one fails a test named after it instead of a run or a sweep. The imports wait for the first call: Hydra
 imports every plugin module on start-up and the trainer imports search/ on every run, sweep or
 not, and Ray alone costs ~0.4 s.
+
+Two live elsewhere: ``hydra._internal``'s ``FileConfigSource``, which runlab's config source
+(hydra_plugins/runlab_config/) extends, and hydra-ray-launcher's ``_config.RayConf``, the ``ray``
+block of runlab's Ray launcher schema (hydra_plugins/runlab_sweeper/config.py). Hydra imports
+those plugins in every Hydra app of the environment, so they must not import ``framework``
+(tests/test_neighbour.py); their pin tests are in tests/test_private_apis.py too.
 """
 from __future__ import annotations
 
@@ -103,3 +110,20 @@ def heartbeat_ages(study) -> Dict[int, float]:
         return {number: (now - beat.replace(tzinfo=None)).total_seconds() for number, beat in rows}
     finally:
         session.close()
+
+
+# --- torch -------------------------------------------------------------------------------
+
+def zero_gradient_buckets(model) -> List[Any]:
+    """DDP's gradient buckets (``torch.distributed.GradBucket``) in the order its reducer all-reduces
+    them (which DDP rebuilds after the first iteration), holding zeros: what a process that ran out
+    of memory sends instead of its gradients. DDP's own join shadows buckets this way
+    (``DistributedDataParallel._match_all_reduce_for_bwd_pass``)."""
+    return model.reducer._get_zeros_like_grad_buckets()
+
+
+def compiled_original(module) -> Any:
+    """The module ``torch.compile`` compiled, where ``module`` is what it returned (an
+    ``OptimizedModule``), else None. torch keeps it as the child ``_orig_mod`` and offers no
+    public way back to it."""
+    return dict(module.named_children()).get("_orig_mod")

@@ -1,4 +1,5 @@
-"""What framework/search/private_apis.py relies on in Optuna, the Hydra plugins, submitit's launcher and Ray.
+"""What framework/private_apis.py relies on in torch, Optuna, the Hydra plugins, submitit's launcher and Ray, and
+what hydra_plugins/runlab_config relies on in Hydra.
 
 One test per function there: an upgrade that changes the private behaviour fails the test
 named after it. The sweeps that use them end to end are in test_search.py, test_slurm.py and
@@ -14,14 +15,19 @@ import time
 
 import optuna
 import pytest
+import torch
+import yaml
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, LogUniformDistribution, UniformDistribution
 from optuna.trial import TrialState
+from torch import nn
 
 from conftest import REPO
-from framework.search.private_apis import (distribution_from_config, heartbeat_ages, job_error, parse_sweep_overrides,
-                                           set_submitit_executor, trial_by_number, trial_id, uncached)
+from framework.private_apis import (compiled_original, distribution_from_config, heartbeat_ages, job_error,
+                                    parse_sweep_overrides, set_submitit_executor, trial_by_number, trial_id, uncached,
+                                    zero_gradient_buckets)
+from framework.model import MLP
 from framework.search.study import rdb_storage
 
 
@@ -105,7 +111,7 @@ def test_present_ray_token_turns_token_authentication_on_only_when_a_token_exist
     # In a process of its own: Ray caches its config and the token for the whole process.
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     env.update(HOME=str(tmp_path), **({"RAY_AUTH_TOKEN": token} if token else {}))
-    script = ("import os; from framework.search.private_apis import present_ray_token; "
+    script = ("import os; from framework.private_apis import present_ray_token; "
               "present_ray_token(); print(os.environ.get('RAY_AUTH_MODE'))")
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
@@ -133,3 +139,64 @@ def test_the_executor_set_on_a_submitit_launcher_is_the_one_its_jobs_run_on(tmp_
         launcher.launch([["lr=1"]], initial_job_idx=0)
     # The executor, and the prefix of its own settings.
     assert chosen.value.args == ("local", {"folder": str(tmp_path), "local_max_num_timeout": 3})
+
+
+# --- torch ---------------------------------------------------------------------------------
+
+def test_the_private_ddp_api_the_out_of_memory_agreement_relies_on(tmp_path):
+    """zero_gradient_buckets reads DDP's reducer: its buckets, in all-reduce order, holding zeros; the
+    agreement's DDP (whichever buffer keyword this torch has) broadcasts no buffers before a forward."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from framework.parallel.distributed import OutOfMemoryAgreement
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        model = MLP([64], 10, width=512, depth=3, dropout=0.0, batch_norm=False)
+        model.head.bias.requires_grad_(False)  # frozen parameters have no bucket
+        buckets = zero_gradient_buckets(DistributedDataParallel(model))
+        assert [bucket.index() for bucket in buckets] == list(range(len(buckets)))
+        assert sum(bucket.buffer().numel() for bucket in buckets) == sum(p.numel() for p in model.parameters()
+                                                                         if p.requires_grad)
+        assert all(not bucket.buffer().any() for bucket in buckets)
+        # The agreement averages buffers itself: its DDP broadcasts none before a forward.
+        with_buffers = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+        assert DistributedDataParallel(with_buffers).will_sync_module_buffers()
+        assert not OutOfMemoryAgreement(with_buffers, torch.device("cpu")).wrap(with_buffers, None).will_sync_module_buffers()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_compiled_original_is_the_module_torch_compile_was_given():
+    module = nn.Linear(2, 2)
+    assert compiled_original(torch.compile(module)) is module
+    assert compiled_original(module) is None
+
+
+# --- what runlab's own Hydra plugins use (they may not import framework) ---------------------------
+
+def test_hydras_file_source_reads_a_yaml_and_lets_its_syntax_error_through(tmp_path):
+    from hydra._internal.core_plugins.file_config_source import FileConfigSource
+
+    (tmp_path / "group").mkdir()
+    (tmp_path / "group" / "good.yaml").write_text("# @package _global_\nkey: 1\n")
+    (tmp_path / "group" / "bad.yaml").write_text("key: [1\n")
+    source = FileConfigSource(provider="test", path=str(tmp_path))
+    assert source._normalize_file_name("group/good") == "group/good.yaml"
+    result = source.load_config("group/good")
+    assert result.config == {"key": 1} and result.header["package"] == "_global_"
+    with pytest.raises(yaml.YAMLError):  # RunlabConfigSource turns it into one line naming file, line and column
+        source.load_config("group/bad")
+    found = []
+    source._list_add_result(files=found, file_path="group/good.yaml", file_name="good.yaml", results_filter=None)
+    assert found == ["good"]
+
+
+def test_hydra_ray_launchers_ray_block_is_the_schema_runlab_ray_extends():
+    from hydra_plugins.hydra_ray_launcher._config import RayConf
+
+    from hydra_plugins.runlab_sweeper.config import RunlabRayLauncherConf
+
+    ray = OmegaConf.structured(RunlabRayLauncherConf).ray
+    assert {"init", "remote"} <= set(OmegaConf.structured(RayConf)) and ray == OmegaConf.structured(RayConf)
