@@ -36,7 +36,7 @@ from torch import nn
 from framework.checkpoint import checked_spec, read_pretrained, resolve_checkpoint_path
 from framework.config import command_line_overrides
 from framework.errors import CheckpointError, ConfigError
-from framework.model import accepted_keys, model_spec
+from framework.model import BATCH_NORMS, accepted_keys, model_spec
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class Finetuner:
         for parameter in self.frozen.values():
             parameter.requires_grad_(False)
         # A frozen BatchNorm must not update its running statistics either.
-        self.frozen_norms = [m for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        self.frozen_norms = [m for name, m in model.named_modules() if isinstance(m, BATCH_NORMS)
                              and all(self._is_frozen(f"{name}.{n}") for n in ("weight", "bias", "running_mean"))]
         if self.frozen:
             log.info("Frozen by finetune.freeze=%s: %d tensors, %d BatchNorm layers kept in eval mode%s.",

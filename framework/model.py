@@ -23,6 +23,11 @@ from torch import nn
 from framework.config import accepted_keys
 from framework.errors import ConfigError, instantiate
 
+# Every batch norm of torch.nn, by its public classes (tests/test_private_apis.py checks that none is missing):
+# layers whose running statistics a frozen layer or a micro-batch affects.
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
+               nn.LazyBatchNorm3d, nn.SyncBatchNorm)
+
 
 def _dense_block(width_in: int, width_out: int, dropout: float, batch_norm: bool) -> nn.Sequential:
     layers: List[nn.Module] = [nn.Linear(width_in, width_out)]

@@ -27,7 +27,7 @@ from conftest import REPO
 from framework.private_apis import (compiled_original, distribution_from_config, heartbeat_ages, job_error,
                                     parse_sweep_overrides, set_submitit_executor, trial_by_number, trial_id, uncached,
                                     zero_gradient_buckets)
-from framework.model import MLP
+from framework.model import BATCH_NORMS, MLP
 from framework.search.study import rdb_storage
 
 
@@ -172,6 +172,12 @@ def test_the_compiled_original_is_the_module_torch_compile_was_given():
     module = nn.Linear(2, 2)
     assert compiled_original(torch.compile(module)) is module
     assert compiled_original(module) is None
+
+
+def test_the_public_batch_norms_are_all_of_torchs():
+    """Not private, but standing for one: framework/model.py's BATCH_NORMS replaces nn.modules.batchnorm._BatchNorm."""
+    batch_norms = {c for c in vars(nn).values() if isinstance(c, type) and issubclass(c, nn.modules.batchnorm._BatchNorm)}
+    assert batch_norms == set(BATCH_NORMS)
 
 
 # --- what runlab's own Hydra plugins use (they may not import framework) ---------------------------

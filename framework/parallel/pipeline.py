@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from framework.errors import ConfigError
+from framework.model import BATCH_NORMS
 from framework.objective import ComputesOwnLoss
 from framework.parallel import Compile, Environment, Mode, compiled, resolve_device
 
@@ -125,7 +126,7 @@ class PipelineEnvironment(Environment):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         boundaries = stage_boundaries(model, len(self.devices), self.split)
-        has_batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        has_batch_norm = any(isinstance(m, BATCH_NORMS) for m in model.modules())
         if has_batch_norm and self.microbatches > 1:
             log.warning("BatchNorm layers compute their statistics per micro-batch under parallel.microbatches=%d, "
                         "so training differs slightly from parallel=none.", self.microbatches)
