@@ -58,6 +58,10 @@ def test_sweep_configs_compose_as_multiruns(tmp_path):
         assert cfg.hydra.sweeper._target_.endswith("RunlabSweeper")
         assert cfg.hydra.sweeper.sampler._target_ == f"optuna.samplers.{sampler}"
         assert set(cfg.hydra.sweeper.params) == {"lr", "batch_size", "model.width", "model.depth", "optimizer.weight_decay"}
+    # search=tpe is search=random (its one file) with TPE proposing the trials.
+    sweepers = [{key: value for key, value in composed(f"search={name}").hydra.sweeper.items() if key not in
+                 ("sampler", "study_name")} for name in ("random", "tpe")]
+    assert sweepers[0] == sweepers[1]
     # The stock plugins stay available.
     assert composed("search=tpe", "hydra/sweeper=optuna").hydra.sweeper._target_.endswith("OptunaSweeper")
     # The stock sweeper's settings: no space (then only the command line's sweeps), null storage and
