@@ -49,6 +49,7 @@ def study_states(directory: Path):
 
 def test_sweep_configs_compose_as_multiruns(tmp_path):
     from conftest import composed
+    from hydra_plugins.runlab_sweeper.config import RunlabSweeperConf
     from hydra_plugins.runlab_sweeper.sweeper import checked
 
     grid = composed("search=grid")
@@ -62,6 +63,9 @@ def test_sweep_configs_compose_as_multiruns(tmp_path):
     sweepers = [{key: value for key, value in composed(f"search={name}").hydra.sweeper.items() if key not in
                  ("sampler", "study_name")} for name in ("random", "tpe")]
     assert sweepers[0] == sweepers[1]
+    # Their budget is the sweeper schema's, not written again in the YAML.
+    schema = OmegaConf.structured(RunlabSweeperConf)
+    assert all(sweepers[0][key] == schema[key] for key in ("n_trials", "n_jobs", "max_failure_rate", "heartbeat_s"))
     # The stock plugins stay available.
     assert composed("search=tpe", "hydra/sweeper=optuna").hydra.sweeper._target_.endswith("OptunaSweeper")
     # The stock sweeper's settings: no space (then only the command line's sweeps), null storage and
