@@ -100,7 +100,7 @@ def test_the_pruner_hears_every_validation(cli, user):
 
 # --- kill -9 right after a mid-epoch checkpoint --------------------------------------------------
 
-KILLED = ["trainer.max_epochs=3", "batch_size=32", "model.width=32", "early_stopping.enabled=false", "logger=none",
+KILLED = ["batch_size=32", "model.width=32", "early_stopping.enabled=false", "logger=none",
           "trainer.progress_bar=false", "checkpoint.every_n_steps=6", "model.dropout=0.2"]
 
 
@@ -114,11 +114,14 @@ def saved_mid_epoch(run_glob) -> bool:
     return False
 
 
+# Epochs enough that the run is still going when the test sees its first checkpoint of epoch 1 and kills
+# it: 3 epochs of the tiny MLP took about 0.15 s in one process, and that run sometimes ended first.
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("parallel", ["none", "ddp"])
+@pytest.mark.parametrize("parallel, epochs", [("none", 40), ("ddp", 4)])
 def test_kill_9_after_a_mid_epoch_checkpoint_then_resume_auto_gives_the_uninterrupted_weights(
-        train, user, cli, tmp_path, parallel):
-    args = [f"parallel={parallel}", "name=killed", *KILLED]
+        train, user, cli, tmp_path, parallel, epochs):
+    killed = [*KILLED, f"trainer.max_epochs={epochs}"]
+    args = [f"parallel={parallel}", "name=killed", *killed]
     log = tmp_path / "first.log"
     process = user.start(shlex.join(["python", "run.py", *args]), log)
     wait_for(lambda: saved_mid_epoch(lambda: user.outputs.glob("killed/*/checkpoints/last.pt")), process, log)
@@ -133,11 +136,11 @@ def test_kill_9_after_a_mid_epoch_checkpoint_then_resume_auto_gives_the_uninterr
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     second = user.runs("killed")[-1]
     assert "Resumed from" in (second / "train.log").read_text()
-    assert read_metrics(second)["step"] == 3 * 39  # 1,257 train samples: 39 batches of 32
+    assert read_metrics(second)["step"] == epochs * 39  # 1,257 train samples: 39 batches of 32
     if parallel == "none":
-        _, reference = train(*(arg for arg in KILLED if not arg.startswith("trainer.progress_bar")))
+        _, reference = train(*(arg for arg in killed if not arg.startswith("trainer.progress_bar")))
     else:  # each rank draws its own dropout masks: the reference is an uninterrupted ddp run
-        whole = cli(f"parallel={parallel}", "name=whole", *KILLED, timeout=200)
+        whole = cli(f"parallel={parallel}", "name=whole", *killed, timeout=200)
         assert whole.returncode == 0, whole.stderr[-3000:]
         (reference,) = user.runs("whole")
     assert_same_weights(final_weights(reference), final_weights(second))
