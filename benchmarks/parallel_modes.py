@@ -80,29 +80,14 @@ def trained_state_bytes(cfg, run_dir: Path, env) -> Dict[str, object]:
         trainer.close()
 
 
-def run_config(overrides: List[str]):
-    """The config ``framework.run(overrides)`` runs with (Hydra's node resolved into it and dropped),
-    for a task of our own launched as a run's task is."""
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf, open_dict
-
-    from framework.entry import compose
-
-    cfg = compose(overrides)
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    OmegaConf.resolve(cfg)
-    return cfg
-
-
 def measure_one(overrides: List[str], steps: int) -> Dict[str, object]:
     """Runs in its own process: train, then report throughput, rank 0's state bytes and this process tree's
     peak memory."""
     from framework import parallel
+    from framework.entry import resolved_run_config
 
     with tempfile.TemporaryDirectory() as scratch:
-        cfg = run_config([*EXPERIMENT, f"trainer.max_steps={steps}", f"paths.output_dir={scratch}", *overrides])
+        cfg = resolved_run_config([*EXPERIMENT, f"trainer.max_steps={steps}", f"paths.output_dir={scratch}", *overrides])
         result = parallel.launch(trained_state_bytes, cfg, Path(scratch) / "run")
     metrics = result["metrics"]
     memory = {"this process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}

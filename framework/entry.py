@@ -114,6 +114,19 @@ def field_names(schema: type) -> List[str]:
     return [field.name for field in dataclasses.fields(schema) if field.name != "_target_"]
 
 
+def resolved_run_config(overrides: List[str]) -> DictConfig:
+    """The config ``run(overrides)`` trains with: composed, then resolved without the hydra node."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    cfg = compose(overrides)
+    HydraConfig.instance().set_config(cfg)  # so ${hydra:...} interpolations resolve
+    with open_dict(cfg):
+        del cfg["hydra"]
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
 def run(overrides: Optional[List[str]] = None, run_dir: Optional[str] = None) -> RunResult:
     """Train from Python or a notebook: ``framework.run(["lr=1e-3"])`` trains with the config
     ``python run.py lr=1e-3`` would build and returns a ``RunResult`` (metrics, run dir, checkpoints).
@@ -122,16 +135,9 @@ def run(overrides: Optional[List[str]] = None, run_dir: Optional[str] = None) ->
     line would, including train.log, and prints the same per-epoch lines; a notebook also shows a
     progress bar. A mistake raises the ``RunlabError`` whose ``line`` the command line prints.
     """
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf, open_dict
-
-    cfg = compose(list(overrides or []))
-    HydraConfig.instance().set_config(cfg)  # so ${hydra:...} interpolations resolve
+    cfg = resolved_run_config(list(overrides or []))
     if run_dir is None:  # a fresh dir, named as the command line names it
         run_dir = create_run_dir(f"{cfg.paths.output_dir}/{cfg.name}/{datetime.now():%Y-%m-%d_%H-%M-%S}")
-    with open_dict(cfg):
-        del cfg["hydra"]
-    OmegaConf.resolve(cfg)
     path = Path(run_dir)
     path.mkdir(parents=True, exist_ok=True)
     with run_logging(path / "train.log"):

@@ -19,7 +19,7 @@ from conftest import REPO, SHRINK, read_metrics
 from framework.checkpoint import load_checkpoint
 from framework.logger import Logger
 from framework.troubleshoot import DoesNotFitError, MemoryTracker, doctor as doctor_module, environment, memory
-from troubleshoot_worker import resolved_config
+from framework.entry import resolved_run_config
 
 WORKER = REPO / "tests" / "troubleshoot_worker.py"
 FAST = ["trainer.max_epochs=1", "logger=csv", "trainer.log_every_n_steps=1"]
@@ -27,7 +27,7 @@ FAST = ["trainer.max_epochs=1", "logger=csv", "trainer.log_every_n_steps=1"]
 
 def make_bench(tmp_path: Path, *overrides: str) -> doctor_module.Bench:
     """What the doctor measures for a run of these overrides."""
-    return doctor_module.bench(resolved_config([*SHRINK, f"paths.output_dir={tmp_path / 'outputs'}", *overrides]))
+    return doctor_module.bench(resolved_run_config([*SHRINK, f"paths.output_dir={tmp_path / 'outputs'}", *overrides]))
 
 
 def logged(run_dir: Path, metric: str) -> list:

@@ -25,23 +25,11 @@ from typing import List
 
 import torch
 import torch.distributed as dist
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
 
-from framework.entry import compose
+from framework.entry import resolved_run_config
 from framework.parallel import Environment, unwrap
 from framework.parallel.distributed import DistributedEnvironment
 from framework.trainer import Trainer
-
-
-def resolved_config(overrides: List[str]) -> DictConfig:
-    """The config ``framework.run(overrides)`` would train with."""
-    cfg = compose(overrides)
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    OmegaConf.resolve(cfg)
-    return cfg
 
 
 def address_space_mb() -> float:
@@ -58,7 +46,7 @@ def finish(trainer: Trainer, run_dir: Path, rank: int) -> None:
 def ddp_trainer(rank: int, world_size: int, init_file: str, run_dir: Path, overrides: List[str]) -> Trainer:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=60))  # a rank left waiting fails the test instead of hanging it
-    cfg = resolved_config(overrides)
+    cfg = resolved_run_config(overrides)
     # What parallel=ddp provides, on this test's own process group.
     env = DistributedEnvironment(torch.device("cpu"), rank, world_size, agree_on_out_of_memory=cfg.troubleshoot.oom_recovery)
     return Trainer(cfg, run_dir, env)
@@ -101,7 +89,7 @@ def watched_rank(rank: int, world_size: int, init_file: str, run_dir: Path, over
 
 
 def limited_run(headroom_mb: int, run_dir: Path, overrides: List[str]) -> None:
-    trainer = Trainer(resolved_config(overrides), run_dir, Environment(torch.device("cpu")))
+    trainer = Trainer(resolved_run_config(overrides), run_dir, Environment(torch.device("cpu")))
     if headroom_mb:
         limit = int((address_space_mb() + headroom_mb) * 2**20)
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
