@@ -20,7 +20,7 @@ from torch import nn
 
 from conftest import REPO, SHRINK, read_metrics
 from framework import parallel
-from framework.entry import run
+from framework.entry import resolved_run_config, run
 from framework.errors import ConfigError, ResourceError
 from framework.parallel.fsdp import ShardedEnvironment, shard_blocks
 from test_faults import wait_for
@@ -28,7 +28,7 @@ from test_parallel import EXACT, assert_same_training, final_weights, gone, runn
 from test_schedule import saved_mid_epoch
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from parallel_modes import run_config, trained_state_bytes  # noqa: E402
+from parallel_modes import trained_state_bytes  # noqa: E402
 
 # Clipping that binds at every step: a norm computed over one shard only would clip differently.
 CLIPPED = [*EXACT, "trainer.gradient_clip_val=0.1"]
@@ -99,7 +99,7 @@ def test_fsdp_equals_one_device_moves_its_checkpoints_both_ways_and_holds_half_t
 
 def continued(overrides: List[str], run_dir: Path, new_run_dir: Path) -> Tuple[Path, Dict[str, int]]:
     """A run resumed from ``run_dir``'s last.pt, and the bytes of state its rank 0 held at the end."""
-    cfg = run_config([*overrides, f"resume={run_dir / 'checkpoints/last.pt'}"])
+    cfg = resolved_run_config([*overrides, f"resume={run_dir / 'checkpoints/last.pt'}"])
     return new_run_dir, parallel.launch(trained_state_bytes, cfg, new_run_dir)["bytes"]
 
 
