@@ -13,4 +13,4 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    main()
+    framework.cli(main)

@@ -13,7 +13,7 @@ from framework import config  # noqa: F401  (registers runlab's resolvers, runla
 
 # Each public name is imported from its module on first use: importing framework loads no torch,
 # so composing and printing a config (run.py --help, --cfg job) starts in a fraction of a second.
-_EXPORTS = {"main": "framework.entry", "run": "framework.entry", "sweep": "framework.entry",
+_EXPORTS = {"main": "framework.entry", "cli": "framework.entry", "run": "framework.entry", "sweep": "framework.entry",
             "load_model": "framework.checkpoint", "RunResult": "framework.results", "SweepResult": "framework.results"}
 
 __all__ = list(_EXPORTS)

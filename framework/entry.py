@@ -12,8 +12,9 @@ import sys
 import tempfile
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
@@ -61,6 +62,42 @@ def main(cfg: DictConfig) -> Optional[float]:
         return None
 
 
+HYDRA_RAISES = "HYDRA_FULL_ERROR"
+
+
+def cli(app: Callable[[], Any]) -> Any:
+    """Run the Hydra app ``run.py`` defines. A command line or config file that Hydra cannot compose
+    (``trainer.max_epoch=3``, ``model.width=abc``, a misspelt key in an experiment) ends in one line
+    and exit 2, as every other mistake does, not in Hydra's several-line report of it.
+
+    Hydra raises, instead of reporting, what fails under ``HYDRA_FULL_ERROR=1``: runlab sets it
+    while Hydra composes, and ``HydraReportsAgain`` (the first callback) unsets it once the config
+    is composed, so that errors from then on, and the processes a run starts, are as without runlab.
+    A user's own ``HYDRA_FULL_ERROR=1`` is left alone, and still shows the whole traceback.
+    """
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if os.environ.get(HYDRA_RAISES) == "1":
+        return app()
+    os.environ[HYDRA_RAISES] = "1"
+    try:
+        return app()
+    except (HydraException, OmegaConfBaseException) as error:
+        if os.environ.pop(HYDRA_RAISES, None) is None:  # raised after composing: Hydra's own report
+            raise
+        exit_with(ConfigError(composition_error(error)))
+
+
+class HydraReportsAgain(Callback):
+    """Called first once Hydra composed runlab's config: see ``cli``."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        os.environ.pop(HYDRA_RAISES, None)
+
+    on_multirun_start = on_run_start
+
+
 def objective(metrics: Dict[str, float], optimized_metric: Any) -> Union[float, List[float]]:
     """The value a sweeper optimizes: the metric optimized_metric names, or one per metric it lists."""
     if isinstance(optimized_metric, str):
@@ -97,7 +134,8 @@ def composition_error(error: Exception) -> str:
     unknown = isinstance(cause, (ConfigAttributeError, ConfigKeyError)) or re.search(r"Key '.*' not in '", text)
     if key and unknown and dataclasses.is_dataclass(schema):
         keys = field_names(schema)
-        where = getattr(schema, "option", "") or key.rpartition(".")[0]  # an option's (model=cnn), or a block's (trainer)
+        # an option's (model=cnn), a block's (trainer), or the top level's
+        where = getattr(schema, "option", "") or key.rpartition(".")[0] or "the config"
         return f"{key} is not a key of {where}; " + (f"its keys are: {', '.join(keys)}." if keys else "it has none to set.")
     text = str(error).split("Config search path:")[0]  # where Hydra looked: the same for every run
     if cause:

@@ -43,10 +43,20 @@ def test_a_corrupt_checkpoint_stops_with_one_line(cli, tmp_path):
     assert "is not a checkpoint file: it is a text file (it starts with 'garbage')" in line
 
 
-def test_an_unknown_model_names_the_available_options(cli):
-    result = cli("model=transformer")
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert "model/transformer" in result.stderr and "mlp" in result.stderr
+def test_a_command_line_hydra_cannot_compose_ends_in_one_line_before_any_work(user, cli):
+    # (A misspelt key in an experiment: test_schemas.py; a YAML syntax error: test_faults.py.)
+    typed = {("trainer.max_epoch=3",): "trainer.max_epoch is not a key of trainer; its keys are: max_epochs, max_steps,",
+             ("modle=mlp",): "modle is not a key of the config; its keys are: task, name, seed, lr,",
+             ("model.width=abc",): "model.width=abc (Value 'abc' of type 'str' could not be converted to Integer)",
+             ("model=transformer",): "Could not find 'model/transformer' Available options in 'model': char_lm cnn",
+             ("-m", "trainer.max_epoch=3", "lr=1e-3,1e-2"): "trainer.max_epoch is not a key of trainer;"}
+    for args, message in typed.items():
+        result = cli(*args)
+        assert result.stderr.strip() == one_line_error(result) and message in result.stderr, (args, result.stderr)
+    assert not user.outputs.exists()
+    # A user's own HYDRA_FULL_ERROR=1 still gets Hydra's whole traceback.
+    result = cli("trainer.max_epoch=3", env={"HYDRA_FULL_ERROR": "1"})
+    assert result.returncode == 1 and "Traceback" in result.stderr and "runlab:" not in result.stderr
 
 
 @pytest.mark.parametrize("overrides, message", [

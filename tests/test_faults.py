@@ -276,10 +276,9 @@ def test_a_killed_runs_lock_is_not_held_by_the_workers_it_forked(tmp_path):
 
 def test_an_experiment_with_a_yaml_syntax_error_names_the_file_and_line(cli, user):
     (user.repo / "experiments" / "broken.yaml").write_text("# @package _global_\nname: broken\n  lr: 1\n")
-    result = cli("experiment=broken")
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.startswith(f"{user.repo.resolve()}/experiments/broken.yaml, line 3, column 5: not valid YAML "
-                                    "(mapping values are not allowed here).")
+    line = one_line_error(cli("experiment=broken"))
+    assert line == (f"runlab: error: {user.repo.resolve()}/experiments/broken.yaml, line 3, column 5: not valid YAML "
+                    "(mapping values are not allowed here).")
 
 
 CSV_FILES = {

@@ -240,7 +240,7 @@ def test_the_extending_example_adds_a_data_source_in_a_fresh_copy(user):
     (run_dir,) = user.runs("train")
     assert read_metrics(run_dir)["test/acc"] > 0.9  # two half circles, learnt by the default MLP
     refused = user.run("python run.py data=moons data.root=x")
-    assert refused.returncode == 1 and "Key 'root' not in 'MoonsDataConfig'" in refused.stderr
+    assert refused.returncode == 2 and "data.root is not a key of data" in refused.stderr
     assert "moons" in user.run("python run.py --help").stdout
 
 
