@@ -5,11 +5,11 @@ own schema here through its defaults list (``- /DigitsData@_here_``), so only th
 exist and a typo in a key, a value of the wrong type or one outside a closed set (an ``Enum``)
 is refused by Hydra while composing. Each option names what builds it in ``_target_``, which
 ``hydra.utils.instantiate`` calls with the option's keys and, as keyword arguments, what only the
-run has (``RUNTIME_ARGUMENTS``: a model's input_shape, an optimizer's params, ...); parallel's
-``Mode`` is the one that launches instead (parallel.launch). A ``_target_`` of the user's own
-(``model=custom``, ``data=custom``, another torch.optim class, a loss) is checked against its
-signature instead of a schema. ``validate`` then rejects values that type-check but cannot work,
-before any work starts.
+run has (``RUNTIME_ARGUMENTS``: a model's input_shape, an optimizer's params, ...); a parallel
+option's ``Mode`` takes the run as arguments of its methods instead (parallel.launch). A
+``_target_`` of the user's own (``model=custom``, ``data=custom``, another torch.optim class, a
+loss) is checked against its signature instead of a schema. ``validate`` then rejects values
+that type-check but cannot work, before any work starts.
 
 Each default is written once: in the YAML that sets it, beside the comment that explains it;
 the schema only types such a key (``MISSING``). A schema writes the defaults no YAML carries:
@@ -428,7 +428,7 @@ class WandbLoggerConfig(Option):
     wandb_mode: WandbMode = MISSING
 
 
-# --- parallel (framework/parallel/): _target_ is a parallel.Mode, which starts the processes --
+# --- parallel (framework/parallel/): _target_ is a parallel.Mode, built with the option's keys; it starts the processes --
 
 @dataclass
 class ParallelConfig(Option):
@@ -678,7 +678,7 @@ def _not_arguments(key: str, node: DictConfig, unknown: List[str], accepted: Lis
 
 
 def _validate_targets(cfg: DictConfig) -> None:
-    for group in ("model", "optimizer", "scheduler", "data", "objective", "logger"):
+    for group in ("model", "optimizer", "scheduler", "data", "objective", "logger", "parallel"):
         _validate_arguments(group, cfg[group], RUNTIME_ARGUMENTS.get(group, ()), RUNLAB_KEYS.get(group, ()))
     loss = cfg.objective.get("loss")
     if isinstance(loss, DictConfig) and "_target_" in loss:

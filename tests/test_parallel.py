@@ -7,7 +7,9 @@ final weights in checkpoints/last.pt. Multi-process tests carry time limits, so 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
+import pickle
 import re
 import shlex
 import signal
@@ -20,13 +22,17 @@ from typing import Dict, List
 
 import pytest
 import torch
+from hydra.utils import get_object
+from omegaconf import OmegaConf
 from torch import nn
 
 from conftest import REPO, SHRINK, aids_on_path, composed, read_metrics
 from framework.checkpoint import load_checkpoint
+from framework.config import OPTIONS
 from framework.errors import ConfigError
 from framework.entry import run
 from framework.model import MLP
+from framework.parallel import mode
 from framework.parallel.pipeline import Pipeline, balanced_boundaries, check_boundaries, stage_boundaries
 from parallel_models import TwoBranch
 
@@ -151,6 +157,22 @@ def test_dp_wraps_the_model_in_data_parallel_only_over_two_gpus_or_more(caplog):
         assert wrapped.module is model
 
 
+@pytest.mark.parametrize("name", sorted(OPTIONS["parallel"]))
+def test_a_parallel_option_s_keys_are_its_mode_s_constructor_arguments(train, name):
+    """``instantiate(cfg.parallel)`` builds the option's Mode from exactly its keys, which the mode
+    carries (the code reads them there); a spawned ddp worker gets it pickled."""
+    cfg = composed(f"parallel={name}")
+    keys = OmegaConf.to_container(cfg.parallel)
+    built = mode(cfg)
+    assert type(built) is get_object(keys.pop("_target_"))
+    assert {f.name: getattr(built, f.name) for f in dataclasses.fields(built)} == keys
+    assert pickle.loads(pickle.dumps(built)) == built
+    with pytest.raises(ConfigError, match=f"parallel.extra is not a key of parallel={name}"):
+        composed(f"parallel={name}", "parallel.extra=1")  # refused while composing, by the option's schema
+    with pytest.raises(ConfigError, match="parallel.extra is not an argument of"):
+        train(f"parallel={name}", "+parallel.extra=1")  # added with +: refused before the mode is built
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["parallel=pipeline"], "Could not find 'parallel/pipeline' Available options in 'parallel': ddp dp fsdp model none"),
     (["parallel=model", "parallel.microbatches=0"], "parallel.microbatches=0 is invalid"),
@@ -179,15 +201,18 @@ def test_impossible_ddp_combinations_are_refused_before_spawning(train, override
 
 
 def test_more_ddp_processes_than_gpus_is_refused(monkeypatch):
-    from conftest import composed
     from framework.parallel.distributed import process_count
+
+    def count(*overrides: str) -> int:
+        cfg = composed("parallel=ddp", *overrides)
+        return process_count(mode(cfg), cfg)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert process_count(composed("parallel=ddp", "device=cuda")) == 2  # world_size=0: one per GPU
+    assert count("device=cuda") == 2  # world_size=0: one per GPU
     with pytest.raises(ConfigError, match="parallel.world_size=4 is larger than the 2 visible GPUs"):
-        process_count(composed("parallel=ddp", "device=cuda", "parallel.world_size=4"))
-    assert process_count(composed("parallel=ddp", "device=cpu", "parallel.world_size=4")) == 4
+        count("device=cuda", "parallel.world_size=4")
+    assert count("device=cpu", "parallel.world_size=4") == 4
 
 
 # --- ddp: 2 gloo processes --------------------------------------------------------------------

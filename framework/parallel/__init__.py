@@ -1,9 +1,11 @@
 """Parallelism (conf/parallel/): the one place that knows about devices and processes.
 
-Each option of conf/parallel/ names its ``Mode`` in ``_target_``. ``launch`` has that mode run
-a task in the processes it needs and hand each an ``Environment``:
-where that process runs, how it wraps the model and how it talks to the others. Models and
-the training loop never import ``torch.distributed``.
+Each option of conf/parallel/ names its ``Mode`` in ``_target_``, which ``mode`` builds with
+``hydra.utils.instantiate`` and the option's keys (``DDP(world_size=0, backend="auto", ...)``),
+as every group's option is built. ``launch`` has that mode run a task in the processes it needs
+and hand each an ``Environment``: where that process runs, how it wraps the model and how it
+talks to the others. What only the run has (its config, the task, the run dir) comes in as
+arguments of the mode's methods. Models and the training loop never import ``torch.distributed``.
 
 - none:  one process, one device.
 - dp:    ``nn.DataParallel`` over the visible GPUs (one process; see docs/parallelism.md for its costs).
@@ -20,11 +22,10 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Dict, List, Optional
 
 import torch
-from hydra.utils import get_object
 from omegaconf import DictConfig
 from torch import nn
 
-from framework.errors import ConfigError
+from framework.errors import ConfigError, instantiate
 from framework.private_apis import compiled_original
 
 log = logging.getLogger(__name__)
@@ -180,55 +181,53 @@ def hookable(model: nn.Module) -> nn.Module:
     return model
 
 
-def data_parallel(cfg: DictConfig) -> Environment:
-    if cfg.trainer.compile:
-        raise ConfigError("trainer.compile=true is not supported with parallel=dp: torch.compile supports "
-                          "DistributedDataParallel, not nn.DataParallel; use parallel=ddp.")
-    device = resolve_device(cfg.device)
-    ids = [resolve_device(name).index for name in cfg.parallel.devices] if cfg.parallel.devices else \
-        list(range(torch.cuda.device_count()))
-    if device.type != "cuda" or len(ids) < 2:
-        found = f"{len(ids)} GPU(s) are in use" if device.type == "cuda" else f"this run is on {device.type}"
-        log.warning("parallel=dp needs at least 2 GPUs but %s; running the model unwrapped on %s.", found, device)
-        return Environment(device=device)
-    return DataParallelEnvironment(device=torch.device("cuda", ids[0]), device_ids=ids)
-
-
 Task = Callable[[DictConfig, Path, Environment], Any]
 
 
+@dataclass(frozen=True)
 class Mode:
-    """How a parallel option runs a task: each option of conf/parallel/ names its Mode in
-    ``_target_``. This one (parallel=none) runs the task here, in the one process's ``environment``."""
+    """How a parallel option runs a task, built from the option's keys (``mode``). This one
+    (parallel=none, no keys) runs the task here, in the one process's ``environment``."""
 
-    @staticmethod
-    def environment(cfg: DictConfig) -> Environment:
+    def environment(self, cfg: DictConfig) -> Environment:
         """The environment of this process when it runs the task alone."""
         return Environment(device=resolve_device(cfg.device), compile=Compile.of(cfg.trainer))
 
-    @classmethod
-    def launch(cls, task: Task, cfg: DictConfig, run_dir: Path) -> Any:
-        env = cls.environment(cfg)
+    def launch(self, task: Task, cfg: DictConfig, run_dir: Path) -> Any:
+        env = self.environment(cfg)
         try:
             return task(cfg, Path(run_dir), env)
         finally:
             env.cleanup()
 
-    @staticmethod
-    def launched_rank() -> int:
+    def launched_rank(self) -> int:
         """This process's rank when something outside runlab started the ranks; 0 otherwise."""
         return 0
 
 
+@dataclass(frozen=True)
 class DataParallel(Mode):
-    """parallel=dp: one process, the model replicated on every GPU."""
+    """parallel=dp: one process, the model replicated on every GPU (conf/parallel/dp.yaml)."""
 
-    environment = staticmethod(data_parallel)
+    devices: List[str]
+
+    def environment(self, cfg: DictConfig) -> Environment:
+        if cfg.trainer.compile:
+            raise ConfigError("trainer.compile=true is not supported with parallel=dp: torch.compile supports "
+                              "DistributedDataParallel, not nn.DataParallel; use parallel=ddp.")
+        device = resolve_device(cfg.device)
+        ids = [resolve_device(name).index for name in self.devices] if self.devices else \
+            list(range(torch.cuda.device_count()))
+        if device.type != "cuda" or len(ids) < 2:
+            found = f"{len(ids)} GPU(s) are in use" if device.type == "cuda" else f"this run is on {device.type}"
+            log.warning("parallel=dp needs at least 2 GPUs but %s; running the model unwrapped on %s.", found, device)
+            return Environment(device=device)
+        return DataParallelEnvironment(device=torch.device("cuda", ids[0]), device_ids=ids)
 
 
-def mode(cfg: DictConfig) -> type:
-    """The ``Mode`` the run's parallel option names."""
-    return get_object(cfg.parallel._target_)
+def mode(cfg: DictConfig) -> Mode:
+    """The run's ``Mode``: what ``parallel._target_`` names, built with the option's keys."""
+    return instantiate(cfg.parallel, _convert_="all")
 
 
 def setup(cfg: DictConfig) -> Environment:

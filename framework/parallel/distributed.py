@@ -4,9 +4,11 @@ Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set) e
 joins the group torchrun set up, on one machine or several (--nnodes, --node_rank); in a job of
 several tasks of hydra-submitit-launcher (``launcher=slurm``, SLURM or its local executor) each
 task is a rank the same way, with those variables set from the job's own (SLURM_PROCID,
-SLURM_NTASKS, ...). Otherwise ``python run.py parallel=ddp`` spawns ``parallel.world_size``
-processes itself, on a free port per job so that the jobs of a multirun never collide; the
-Hydra job that spawned them gets rank 0's metrics back.
+SLURM_NTASKS, ...); each such rank is a ``python run.py`` of its own and builds its ``DDP``
+from the config. Otherwise ``python run.py parallel=ddp`` spawns ``parallel.world_size``
+processes itself, on a free port per job so that the jobs of a multirun never collide, and
+hands each the ``DDP`` it was launched by (pickled with the task); the Hydra job that spawned
+them gets rank 0's metrics back.
 
 Every rank reads its own slice of each global batch (data.BatchPlan), DDP averages the
 gradients, so a step equals one step of parallel=none on the whole batch. Only rank 0 logs,
@@ -43,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from framework.config import chosen
 from framework.errors import LOG_FORMAT, ConfigError, Interrupted, RunLogHandler, RunlabError
-from framework.parallel import Compile, Environment, Mode, Task, compiled, mode, resolve_device
+from framework.parallel import Compile, Environment, Mode, Task, compiled, resolve_device
 from framework.paths import LOCK_FILE
 from framework.private_apis import zero_gradient_buckets
 from framework.signals import STOP_SIGNALS
@@ -198,68 +200,68 @@ def join_job_tasks() -> None:
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 
 
-def launched_rank() -> int:
-    """This process's rank in a group started outside runlab (torchrun, submitit tasks); 0 otherwise."""
-    join_job_tasks()
-    return int(os.environ["RANK"]) if under_torchrun() else 0
-
-
-def launch_ddp(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
-    join_job_tasks()
-    if under_torchrun():
-        return join_torchrun(task, cfg, run_dir)
-    return spawn_workers(task, cfg, run_dir)
-
-
+@dataclass(frozen=True)
 class DDP(Mode):
-    """parallel=ddp: the task runs in every process of the group, each in its DistributedEnvironment."""
+    """parallel=ddp: the task runs in every process of the group, each in its DistributedEnvironment.
+    Built from conf/parallel/ddp.yaml's keys."""
 
-    launch = staticmethod(launch_ddp)
-    launched_rank = staticmethod(launched_rank)
+    world_size: int
+    backend: str
+    sync_batchnorm: bool
+    timeout_s: int
 
-    @staticmethod
-    def group_environment(cfg: DictConfig, **joined: Any) -> DistributedEnvironment:
+    def launch(self, task: Task, cfg: DictConfig, run_dir: Path) -> Any:
+        join_job_tasks()
+        if under_torchrun():
+            return join_torchrun(self, task, cfg, run_dir)
+        return spawn_workers(self, task, cfg, run_dir)
+
+    def launched_rank(self) -> int:
+        """This process's rank in a group started outside runlab (torchrun, submitit tasks); 0 otherwise."""
+        join_job_tasks()
+        return int(os.environ["RANK"]) if under_torchrun() else 0
+
+    def group_environment(self, cfg: DictConfig, **joined: Any) -> DistributedEnvironment:
         """This process's environment once it joined the group; ``joined`` holds what join_group set up."""
         return DistributedEnvironment(**joined)
 
 
 # --- checks ------------------------------------------------------------------------------
 
-def process_count(cfg: DictConfig) -> int:
+def process_count(ddp: DDP, cfg: DictConfig) -> int:
     """parallel.world_size, where 0 means one process per GPU (or 2 on CPU); checked against the machine."""
     on_cuda = resolve_device(cfg.device).type == "cuda"
     gpus = torch.cuda.device_count() if on_cuda else 0
-    count = cfg.parallel.world_size or gpus or 2
+    count = ddp.world_size or gpus or 2
     if on_cuda and count > gpus:
         raise ConfigError(f"parallel.world_size={count} is larger than the {gpus} visible GPUs; "
                           f"use at most {gpus}, or device=cpu to run the processes on the CPU.")
-    check_distributed(cfg, count, on_cuda)
+    check_distributed(ddp, cfg, count, on_cuda)
     return count
 
 
-def check_distributed(cfg: DictConfig, world_size: int, on_cuda: bool) -> None:
+def check_distributed(ddp: DDP, cfg: DictConfig, world_size: int, on_cuda: bool) -> None:
     if cfg.batch_size % world_size:
         raise ConfigError(f"batch_size={cfg.batch_size} does not divide among {world_size} processes; "
                           f"use a multiple of {world_size} (batch_size is the global batch).")
-    if cfg.parallel.backend == "nccl" and not on_cuda:
+    if ddp.backend == "nccl" and not on_cuda:
         raise ConfigError("parallel.backend='nccl' needs CUDA devices but this run is on cpu; use backend=auto or gloo.")
-    if cfg.parallel.sync_batchnorm and not on_cuda:
+    if ddp.sync_batchnorm and not on_cuda:
         raise ConfigError("parallel.sync_batchnorm=true needs CUDA devices (PyTorch's SyncBatchNorm does not run on cpu); "
                           "set it to false on this machine.")
 
 
 # --- one process of the group ------------------------------------------------------------
 
-def join_group(cfg: DictConfig, rank: int, world_size: int, local_rank: int) -> DistributedEnvironment:
+def join_group(ddp: DDP, cfg: DictConfig, rank: int, world_size: int, local_rank: int) -> DistributedEnvironment:
     device = resolve_device(cfg.device)
     if device.type == "cuda":
         device = resolve_device(f"cuda:{local_rank}")
         torch.cuda.set_device(device)
-    backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.parallel.timeout_s))
-    return mode(cfg).group_environment(cfg, device=device, rank=rank, world_size=world_size,
-                                       sync_batchnorm=cfg.parallel.sync_batchnorm,
-                                       agree_on_out_of_memory=cfg.troubleshoot.oom_recovery, compile=Compile.of(cfg.trainer))
+    backend = ddp.backend if ddp.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=ddp.timeout_s))
+    return ddp.group_environment(cfg, device=device, rank=rank, world_size=world_size, sync_batchnorm=ddp.sync_batchnorm,
+                                 agree_on_out_of_memory=cfg.troubleshoot.oom_recovery, compile=Compile.of(cfg.trainer))
 
 
 def log_as_rank(rank: int, log_file: Path) -> None:
@@ -279,12 +281,12 @@ def log_as_rank(rank: int, log_file: Path) -> None:
 
 # --- torchrun ----------------------------------------------------------------------------
 
-def join_torchrun(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
+def join_torchrun(ddp: DDP, task: Task, cfg: DictConfig, run_dir: Path) -> Any:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if cfg.parallel.world_size and cfg.parallel.world_size != world_size:
-        log.warning("parallel.world_size=%d is ignored: torchrun started %d processes.", cfg.parallel.world_size, world_size)
-    check_distributed(cfg, world_size, resolve_device(cfg.device).type == "cuda")
-    env = join_group(cfg, rank, world_size, int(os.environ["LOCAL_RANK"]))
+    if ddp.world_size and ddp.world_size != world_size:
+        log.warning("parallel.world_size=%d is ignored: torchrun started %d processes.", ddp.world_size, world_size)
+    check_distributed(ddp, cfg, world_size, resolve_device(cfg.device).type == "cuda")
+    env = join_group(ddp, cfg, rank, world_size, int(os.environ["LOCAL_RANK"]))
     log.info("%s: rank %d of %d joined the group at %s:%s.", chosen("parallel", cfg.parallel), rank, world_size,
              os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
     try:
@@ -314,15 +316,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def spawn_workers(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
-    world_size, port = process_count(cfg), free_port()
+def spawn_workers(ddp: DDP, task: Task, cfg: DictConfig, run_dir: Path) -> Any:
+    world_size, port = process_count(ddp, cfg), free_port()
     config = OmegaConf.to_container(cfg, resolve=True)
     context = mp.get_context("spawn")
     reports = context.SimpleQueue()
     log.info("%s: starting %d processes on 127.0.0.1:%d.", chosen("parallel", cfg.parallel), world_size, port)
     # When one worker fails, torch ends the others and says so; the failure's own message is what counts.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    workers = mp.start_processes(_worker, args=(world_size, port, config, str(run_dir), task, reports, os.getpid()),
+    workers = mp.start_processes(_worker, args=(ddp, world_size, port, config, str(run_dir), task, reports, os.getpid()),
                                  nprocs=world_size, join=False, start_method="spawn")
     forwarded: List[int] = []
     try:
@@ -392,7 +394,7 @@ def die_with_launcher(launcher: int) -> None:
         os._exit(1)
 
 
-def _worker(rank: int, world_size: int, port: int, config: dict, run_dir: str, task: Task, reports,
+def _worker(rank: int, ddp: DDP, world_size: int, port: int, config: dict, run_dir: str, task: Task, reports,
             launcher: int) -> None:
     die_with_launcher(launcher)
     # Out of the terminal's process group: Ctrl-C reaches the launcher alone, which forwards it once.
@@ -417,7 +419,7 @@ def _worker(rank: int, world_size: int, port: int, config: dict, run_dir: str, t
     for signum in STOP_SIGNALS:
         signal.signal(signum, stop)
     try:
-        env = join_group(cfg, rank, world_size, rank)
+        env = join_group(ddp, cfg, rank, world_size, rank)
         try:
             result = task(cfg, run_path, env)
             ended.set()

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from framework.errors import ConfigError, ResourceError
 from framework.parallel import Task, unwrap
-from framework.parallel.distributed import DDP, DistributedEnvironment, launch_ddp
+from framework.parallel.distributed import DDP, DistributedEnvironment
 
 # The full state, gathered to rank 0's CPU memory (the other ranks get none of it).
 GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -173,18 +173,19 @@ def check_fsdp(cfg: DictConfig) -> None:
                           "comparing clocks; use checkpoint.every_n_steps.")
 
 
-def launch_fsdp(task: Task, cfg: DictConfig, run_dir: Path) -> Any:
-    check_fsdp(cfg)
-    return launch_ddp(task, cfg, run_dir)
-
-
+@dataclass(frozen=True)
 class FSDP(DDP):
-    """parallel=fsdp: the task runs in every process of the group, each in its ShardedEnvironment."""
+    """parallel=fsdp: the task runs in every process of the group, each in its ShardedEnvironment.
+    Built from conf/parallel/fsdp.yaml's keys: ddp's and these."""
 
-    launch = staticmethod(launch_fsdp)
+    shard_modules: List[str]
+    reshard_after_forward: bool
 
-    @staticmethod
-    def group_environment(cfg: DictConfig, **joined: Any) -> ShardedEnvironment:
-        return ShardedEnvironment(**joined, shard_modules=list(cfg.parallel.shard_modules),
-                                  reshard_after_forward=cfg.parallel.reshard_after_forward,
+    def launch(self, task: Task, cfg: DictConfig, run_dir: Path) -> Any:
+        check_fsdp(cfg)
+        return super().launch(task, cfg, run_dir)
+
+    def group_environment(self, cfg: DictConfig, **joined: Any) -> ShardedEnvironment:
+        return ShardedEnvironment(**joined, shard_modules=list(self.shard_modules),
+                                  reshard_after_forward=self.reshard_after_forward,
                                   param_dtype=torch.bfloat16 if str(cfg.trainer.precision) == "bf16" else None)

@@ -145,13 +145,16 @@ def pipeline_devices(names: Sequence[str]) -> List[torch.device]:
     return [resolve_device(name) for name in names]
 
 
-def pipeline_environment(cfg: DictConfig) -> PipelineEnvironment:
-    devices = pipeline_devices(list(cfg.parallel.devices))
-    return PipelineEnvironment(device=devices[0], devices=devices, split=list(cfg.parallel.split),
-                               microbatches=cfg.parallel.microbatches, compile=Compile.of(cfg.trainer))
-
-
+@dataclass(frozen=True)
 class ModelParallel(Mode):
-    """parallel=model: one process, the model's stages on several devices."""
+    """parallel=model: one process, the model's stages on several devices. Built from
+    conf/parallel/model.yaml's keys."""
 
-    environment = staticmethod(pipeline_environment)
+    devices: List[str]
+    microbatches: int
+    split: List[int]
+
+    def environment(self, cfg: DictConfig) -> PipelineEnvironment:
+        devices = pipeline_devices(self.devices)
+        return PipelineEnvironment(device=devices[0], devices=devices, split=list(self.split),
+                                   microbatches=self.microbatches, compile=Compile.of(cfg.trainer))
