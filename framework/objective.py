@@ -5,8 +5,9 @@ The training step and the evaluation pass never look inside a batch; they hand i
 objective. Two kinds exist:
 
 - ``Supervised``: a batch is ``(inputs, target)`` or ``{"input": ..., "target": ...}``; the
-  loss is ``loss(model(inputs), target)`` and each metric is a torchmetrics ``Metric`` fed
-  ``(outputs, target)``. ``Classification``, ``Multilabel`` and ``Regression`` are the shipped
+  loss is ``loss(model(inputs), target)`` and each metric is fed ``(outputs, target)`` (the
+  shipped ones are framework/metrics.py's, a user's own is a torchmetrics ``Metric``).
+  ``Classification``, ``Multilabel`` and ``Regression`` are the shipped
   ones; ``objective._target_=framework.objective.Supervised`` with ``loss`` and ``metrics``
   (``_target_`` nodes) is a user's own.
 - ``ModelLoss`` (``objective=model_loss``): the model computes its own loss, for language
@@ -25,7 +26,7 @@ objective. Two kinds exist:
 Every metric's name and direction (``directions``) is read from the config alone, before any
 data is built, so ``checkpoint.monitor``, ``early_stopping.monitor`` and ``optimized_metric``
 are checked against them at start. Metrics keep their state across batches and, under ddp,
-sum it across processes when computed (torchmetrics does both).
+sum it across processes when computed (``compute(reduce)``; torchmetrics' metrics do it themselves).
 """
 from __future__ import annotations
 
@@ -39,20 +40,9 @@ from torch import nn
 
 from framework import batch as batches
 from framework.errors import ConfigError, instantiate
+from framework.metrics import Accuracy, MacroF1, Mean, MicroF1, Reduce, RegressionErrors, SumsMetric, alone
 
 Directions = Dict[str, str]  # a metric's name (without its split) -> "min" or "max"
-
-
-def _metric_classes():
-    # torchmetrics takes about a second to import (it loads scipy and matplotlib): only a run pays it.
-    import torchmetrics
-
-    return torchmetrics
-
-
-def mean_metric() -> nn.Module:
-    """A sample-weighted mean that sums across processes, in float64 so long passes do not drift."""
-    return _metric_classes().MeanMetric().set_dtype(torch.float64)
 
 
 class Objective(nn.Module):
@@ -78,15 +68,13 @@ class Objective(nn.Module):
     def update(self, model: nn.Module, batch: Any) -> None:
         raise NotImplementedError
 
-    def compute(self) -> Dict[str, float]:
+    def compute(self, reduce: Reduce = alone) -> Dict[str, float]:
+        """The pass's metrics over every process (``reduce``: the environment's ``all_reduce_sum``)."""
         raise NotImplementedError
 
     def reset(self) -> None:
         """Forget the last pass (or a pass that ran out of memory) before the next."""
-        metric = _metric_classes().Metric
-        for module in self.modules():
-            if isinstance(module, metric):
-                module.reset()
+        raise NotImplementedError
 
     @classmethod
     def example_input(cls, batch: Any) -> Optional[Any]:
@@ -95,7 +83,7 @@ class Objective(nn.Module):
 
 
 class Supervised(Objective):
-    """``loss(outputs, target)`` and torchmetrics metrics of ``(outputs, target)``."""
+    """``loss(outputs, target)`` and metrics of ``(outputs, target)``."""
 
     def __init__(self, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  metrics: Optional[Mapping[str, nn.Module]] = None, output_size: Optional[int] = None):
@@ -103,7 +91,7 @@ class Supervised(Objective):
         self.loss_fn = loss
         # Listed, not a ModuleDict: a metric's name may be any word, "float" or "train" among them.
         self.metric_names, self.metrics = list(metrics or {}), nn.ModuleList((metrics or {}).values())
-        self.mean_loss = mean_metric()
+        self.mean_loss = Mean()
 
     @classmethod
     def directions(cls, cfg: DictConfig) -> Directions:
@@ -148,9 +136,13 @@ class Supervised(Objective):
     def metric_target(self, target: torch.Tensor) -> torch.Tensor:
         return target
 
-    def compute(self) -> Dict[str, float]:
-        return {"loss": self.mean_loss.compute().item(),
-                **{name: metric.compute().item() for name, metric in zip(self.metric_names, self.metrics)}}
+    def reset(self) -> None:
+        for metric in (self.mean_loss, *self.metrics):
+            metric.reset()
+
+    def compute(self, reduce: Reduce = alone) -> Dict[str, float]:
+        return {"loss": self.mean_loss.compute(reduce),
+                **{name: metric_value(metric, reduce) for name, metric in zip(self.metric_names, self.metrics)}}
 
     @classmethod
     def example_input(cls, batch: Any) -> Any:
@@ -163,12 +155,11 @@ class Classification(Supervised):
     labels_outputs = True
 
     def __init__(self, output_size: int, label_smoothing: float, top_k: int):
-        classification = _metric_classes().classification
         super().__init__(nn.CrossEntropyLoss(label_smoothing=label_smoothing), {
-            "acc": classification.MulticlassAccuracy(output_size, average="micro"),
+            "acc": Accuracy(),
             # Named by the configured k, known before the data; with fewer classes than k it is 1.
-            f"acc_top{top_k}": classification.MulticlassAccuracy(output_size, top_k=min(top_k, output_size), average="micro"),
-            "f1": classification.MulticlassF1Score(output_size, average="macro"),
+            f"acc_top{top_k}": Accuracy(top_k=min(top_k, output_size)),
+            "f1": MacroF1(output_size),
         })
 
     @classmethod
@@ -180,10 +171,12 @@ class Multilabel(Supervised):
     """Several labels per sample (targets of 0/1 per label): BCE on logits, micro F1 and mean average precision."""
 
     def __init__(self, output_size: int, threshold: float):
-        classification = _metric_classes().classification
+        # Average precision needs every score of the pass, not sums: torchmetrics' (imported only here).
+        from torchmetrics.classification import MultilabelAveragePrecision
+
         super().__init__(nn.BCEWithLogitsLoss(), {
-            "f1": classification.MultilabelF1Score(output_size, threshold=threshold, average="micro"),
-            "map": classification.MultilabelAveragePrecision(output_size, average="macro"),
+            "f1": MicroF1(threshold),
+            "map": MultilabelAveragePrecision(output_size, average="macro"),
         })
 
     @classmethod
@@ -204,10 +197,8 @@ class Regression(Supervised):
     """Real-valued targets: MSE, L1 or Huber; mean absolute error, root mean squared error and R²."""
 
     def __init__(self, output_size: int, loss: str, huber_delta: float):
-        regression = _metric_classes().regression
         loss_fn = nn.HuberLoss(delta=huber_delta) if loss == "huber" else REGRESSION_LOSSES[loss]()
-        super().__init__(loss_fn, {"mae": regression.MeanAbsoluteError(), "rmse": regression.MeanSquaredError(squared=False),
-                                   "r2": regression.R2Score(multioutput="uniform_average")})
+        super().__init__(loss_fn, {kind: RegressionErrors(output_size, kind) for kind in ("mae", "rmse", "r2")})
 
     @classmethod
     def directions(cls, cfg: DictConfig) -> Directions:
@@ -243,8 +234,8 @@ class ModelLoss(Objective):
         super().__init__()
         self.declared = dict(metrics)
         self.perplexity = perplexity
-        self.mean_loss = mean_metric()
-        self.means = nn.ModuleList(mean_metric() for _ in self.declared)
+        self.mean_loss = Mean()
+        self.means = nn.ModuleList(Mean() for _ in self.declared)
 
     @classmethod
     def directions(cls, cfg: DictConfig) -> Directions:
@@ -276,12 +267,21 @@ class ModelLoss(Objective):
         for name, mean in zip(self.declared, self.means):
             mean.update(torch.as_tensor(values[name], dtype=torch.float64), weight=weight)
 
-    def compute(self) -> Dict[str, float]:
-        loss = self.mean_loss.compute().item()
-        found = {"loss": loss, **{name: mean.compute().item() for name, mean in zip(self.declared, self.means)}}
+    def reset(self) -> None:
+        for mean in (self.mean_loss, *self.means):
+            mean.reset()
+
+    def compute(self, reduce: Reduce = alone) -> Dict[str, float]:
+        loss = self.mean_loss.compute(reduce)
+        found = {"loss": loss, **{name: mean.compute(reduce) for name, mean in zip(self.declared, self.means)}}
         if self.perplexity:
             found["perplexity"] = math.exp(min(loss, 700.0))  # exp overflows a float above ~709
         return found
+
+
+def metric_value(metric: nn.Module, reduce: Reduce) -> float:
+    """A metric's value over the pass: runlab's sum their state with ``reduce``, torchmetrics' sync themselves."""
+    return metric.compute(reduce) if isinstance(metric, SumsMetric) else metric.compute().item()
 
 
 def objective_class(cfg: DictConfig) -> type:

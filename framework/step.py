@@ -60,7 +60,7 @@ def evaluation_pass(model: nn.Module, objective: Objective, split_batches, env: 
 def evaluate(model: nn.Module, objective: Objective, split_batches, env: Environment, precision: Precision) -> Dict[str, float]:
     """The objective's loss and metrics over a split, across processes."""
     evaluation_pass(model, objective, split_batches, env, precision)
-    return objective.compute()
+    return objective.compute(env.all_reduce_sum)
 
 
 def configured_micro_batch(cfg: DictConfig, world_size: int) -> int:
@@ -170,7 +170,7 @@ class TrainStep:
                 self.oom.free(drop_gradients=False)
             ran_out = int(self.env.all_reduce_sum(torch.tensor([0.0 if finished else 1.0], device=self.env.device)).item())
             if not ran_out:
-                return self.objective.compute()
+                return self.objective.compute(self.env.all_reduce_sum)
             self.eval_batch_size = self.oom.back_off_eval(self.eval_batch_size, index, ran_out, self.logger)
 
     @property

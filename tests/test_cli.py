@@ -22,13 +22,22 @@ def test_cfg_job_prints_the_resolved_config(cli):
     assert "lr: 0.005" in result.stdout and "framework.model.CNN" in result.stdout and "name: digits_cnn" in result.stdout
 
 
+def imported_by(result) -> set:
+    assert result.returncode == 0, result.stderr[-2000:]
+    return {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+
+
 @pytest.mark.parametrize("args", ["--help", "--cfg job"])
 def test_printing_help_or_the_config_imports_no_torch(user, args):
     # Both answer in a fraction of a second only while they leave these unimported.
-    result = user.run(f"python -X importtime run.py {args}")
-    assert result.returncode == 0, result.stderr[-2000:]
-    imported = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    imported = imported_by(user.run(f"python -X importtime run.py {args}"))
     assert "hydra" in imported and not imported & {"torch", "tensorboard", "optuna", "ray"}
+
+
+def test_a_default_run_imports_neither_torchmetrics_nor_torchvision(user):
+    # torchmetrics imports torchvision, torch._dynamo, scipy.signal and matplotlib: about 2.8 s of every start.
+    imported = imported_by(user.run("python -X importtime run.py trainer.max_steps=1 trainer.progress_bar=false"))
+    assert "torch" in imported and not imported & {"torchmetrics", "torchvision", "scipy.signal", "matplotlib"}
 
 
 def test_a_bad_value_stops_with_one_line_and_exit_code_2(cli):

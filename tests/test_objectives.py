@@ -65,6 +65,27 @@ def test_classification_reports_sklearns_accuracy_top_k_and_macro_f1_with_label_
     assert set(found) == set(Classification.directions(composed("objective.top_k=3").objective))
 
 
+@pytest.mark.parametrize("objective, make_target", [
+    (Classification(output_size=7, label_smoothing=0.0, top_k=3), lambda g: torch.randint(7, (90,), generator=g)),
+    (Regression(output_size=7, loss="mse", huber_delta=1.0), lambda g: torch.randn(90, 7, generator=g)),
+])
+def test_two_processes_shares_of_a_split_sum_to_the_whole_splits_metrics(objective, make_target):
+    generator = torch.Generator().manual_seed(3)
+    outputs, target = torch.randn(90, 7, generator=generator), make_target(generator)
+    objective.update(torch.nn.Identity(), (outputs, target))
+    whole = objective.compute()
+    shares = []
+    for rows in (slice(0, 20), slice(20, 90)):  # as ddp's ranks may hold different numbers of samples
+        objective.reset()
+        objective.update(torch.nn.Identity(), (outputs[rows], target[rows]))
+        sums = []
+        objective.compute(lambda state: sums.append(state.clone()) or state)
+        shares.append(sums)
+    other = iter(shares[0])  # this process holds the second share; the reduce adds the first's state to it
+    assert objective.compute(lambda state: state + next(other)) == pytest.approx(whole, rel=1e-6)  # the loss: float32 means of other batches
+    assert objective.compute() != pytest.approx(whole, rel=1e-3)  # the second share alone is another value
+
+
 def test_multilabel_reports_sklearns_micro_f1_and_mean_average_precision():
     generator = torch.Generator().manual_seed(1)
     logits, target = torch.randn(200, 5, generator=generator), torch.randint(2, (200, 5), generator=generator)
