@@ -13,8 +13,6 @@ import math
 import os
 import re
 import shutil
-import sys
-import threading
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Mapping
@@ -28,6 +26,7 @@ from torch import nn
 from framework.config import accepted_keys
 from framework.errors import ResourceError, disk_full, instantiate
 from framework.paths import shown
+from framework.private_apis import quiet_writer_thread_errors, summary_writer_class
 from framework.search.trial import NoTrial
 
 log = logging.getLogger(__name__)
@@ -187,39 +186,6 @@ def statistics(values: torch.Tensor) -> list:
     if not values.numel():
         return []
     return torch.stack([values.min(), values.max(), values.sum(), values.square().sum()]).tolist()
-
-
-def summary_writer_class() -> type:
-    """torch's ``SummaryWriter``, imported without botocore.
-
-    TensorBoard's file layer imports botocore, when it is installed (hydra-ray-launcher installs
-    it), to offer s3:// log dirs. A run's log dir is always local, and the import cost 0.1-0.2 s
-    of every run's start; where botocore was imported already, nothing changes."""
-    absent = "botocore" not in sys.modules
-    if absent:
-        sys.modules["botocore"] = None  # importing it raises ImportError
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    finally:
-        if absent:
-            del sys.modules["botocore"]  # code that needs it later imports it as usual
-    return SummaryWriter
-
-
-def quiet_writer_thread_errors() -> None:
-    """TensorBoard's writer thread keeps an OSError it meets (a full disk) and raises it again at the
-    writer's next call, where the run ends with its one line: the thread's own traceback, printed
-    on stderr as it dies, is dropped. Other threads' errors, and other errors, print as before."""
-    previous = threading.excepthook
-    if getattr(previous, "quiets_tensorboard", False):
-        return
-
-    def hook(args) -> None:
-        if not (type(args.thread).__module__.startswith("tensorboard.") and issubclass(args.exc_type, OSError)):
-            previous(args)
-
-    hook.quiets_tensorboard = True
-    threading.excepthook = hook
 
 
 class TensorBoardLogger(Logger):

@@ -1,13 +1,15 @@
-"""Every private API of another library that runlab relies on: torch, Optuna, the Hydra plugins,
-submitit's launcher and Ray.
+"""Every private API of another library that runlab relies on, and every patch it makes to one:
+torch, TensorBoard, Optuna, the Hydra plugins, submitit's launcher and Ray.
 
 The rest of runlab uses public APIs only. Each function here does a job the libraries offer
-no public way to do, at the pinned versions (torch 2.14, optuna 2.10, hydra-core 1.3,
-hydra-optuna-sweeper 1.3, hydra-ray-launcher 1.2, hydra-submitit-launcher 1.2, ray 2.60).
-tests/test_private_apis.py pins what each one relies on, so that an upgrade that breaks
-one fails a test named after it instead of a run or a sweep. The imports wait for the first call: Hydra
-imports every plugin module on start-up and the trainer imports search/ on every run, sweep or
-not, and Ray alone costs ~0.4 s.
+no public way to do, at the pinned versions (torch 2.14, tensorboard 2.21, optuna 2.10,
+hydra-core 1.3, hydra-optuna-sweeper 1.3, hydra-ray-launcher 1.2, hydra-submitit-launcher 1.2,
+ray 2.60). A patch is made in runlab's own process only, when a run needs it (a TensorBoard
+logger), never on import: Hydra imports runlab's plugins in every Hydra app of the environment.
+tests/test_private_apis.py pins what each one relies on, so that an upgrade that breaks one
+fails a test named after it instead of a run or a sweep. The imports wait for the first call:
+Hydra imports every plugin module on start-up and the trainer imports search/ on every run,
+sweep or not, and Ray alone costs ~0.4 s.
 
 Two live elsewhere: ``hydra._internal``'s ``FileConfigSource``, which runlab's config source
 (hydra_plugins/runlab_config/) extends, and hydra-ray-launcher's ``_config.RayConf``, the ``ray``
@@ -17,6 +19,8 @@ those plugins in every Hydra app of the environment, so they must not import ``f
 """
 from __future__ import annotations
 
+import sys
+import threading
 from typing import Any, Dict, List, Tuple
 
 from hydra.core.utils import JobReturn
@@ -127,3 +131,41 @@ def compiled_original(module) -> Any:
     ``OptimizedModule``), else None. torch keeps it as the child ``_orig_mod`` and offers no
     public way back to it."""
     return dict(module.named_children()).get("_orig_mod")
+
+
+# --- TensorBoard ---------------------------------------------------------------------------
+
+def summary_writer_class() -> type:
+    """torch's ``SummaryWriter``, imported without botocore.
+
+    TensorBoard's file layer (``tensorboard.compat.tensorflow_stub.io.gfile``) imports botocore,
+    when it is installed (hydra-ray-launcher installs it), to offer s3:// log dirs, and goes on
+    without them on an ImportError. A run's log dir is always local, and the import cost 0.1-0.2 s
+    of every run's start; where botocore was imported already, nothing changes."""
+    absent = "botocore" not in sys.modules
+    if absent:
+        sys.modules["botocore"] = None  # importing it raises ImportError
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    finally:
+        if absent:
+            del sys.modules["botocore"]  # code that needs it later imports it as usual
+    return SummaryWriter
+
+
+def quiet_writer_thread_errors() -> None:
+    """TensorBoard's writer thread keeps an OSError it meets (a full disk) and raises it again at the
+    writer's next call, where the run ends with its one line: the thread's own traceback, printed
+    on stderr as it dies, is dropped. The thread is known by its class's module (``tensorboard.``:
+    ``event_file_writer._AsyncWriterThread``). Other threads' errors, and other errors, print as
+    before. Installed once per process, by the first TensorBoard logger."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if not (type(args.thread).__module__.startswith("tensorboard.") and issubclass(args.exc_type, OSError)):
+            previous(args)
+
+    hook.quiets_tensorboard = True
+    threading.excepthook = hook

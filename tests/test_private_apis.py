@@ -1,5 +1,5 @@
-"""What framework/private_apis.py relies on in torch, Optuna, the Hydra plugins, submitit's launcher and Ray, and
-what hydra_plugins/runlab_config relies on in Hydra.
+"""What framework/private_apis.py relies on in torch, TensorBoard, Optuna, the Hydra plugins, submitit's launcher
+and Ray, and what hydra_plugins/runlab_config relies on in Hydra.
 
 One test per function there: an upgrade that changes the private behaviour fails the test
 named after it. The sweeps that use them end to end are in test_search.py, test_slurm.py and
@@ -11,6 +11,7 @@ import inspect
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import optuna
@@ -25,8 +26,8 @@ from torch import nn
 
 from conftest import REPO
 from framework.private_apis import (compiled_original, distribution_from_config, heartbeat_ages, job_error,
-                                    parse_sweep_overrides, set_submitit_executor, trial_by_number, trial_id, uncached,
-                                    zero_gradient_buckets)
+                                    parse_sweep_overrides, quiet_writer_thread_errors, set_submitit_executor,
+                                    summary_writer_class, trial_by_number, trial_id, uncached, zero_gradient_buckets)
 from framework.model import BATCH_NORMS, MLP
 from framework.search.study import rdb_storage
 
@@ -178,6 +179,38 @@ def test_the_public_batch_norms_are_all_of_torchs():
     """Not private, but standing for one: framework/model.py's BATCH_NORMS replaces nn.modules.batchnorm._BatchNorm."""
     batch_norms = {c for c in vars(nn).values() if isinstance(c, type) and issubclass(c, nn.modules.batchnorm._BatchNorm)}
     assert batch_norms == set(BATCH_NORMS)
+
+
+# --- TensorBoard ---------------------------------------------------------------------------
+
+def test_tensorboards_file_layer_imports_botocore_where_it_is_installed():
+    """What summary_writer_class keeps out of a run's start: the module torch's SummaryWriter writes
+    through imports botocore where it is importable (were it not, the block would be dead). That the
+    writer imports without it, and botocore later as usual: test_logging.py."""
+    pytest.importorskip("botocore")
+    script = "import sys, tensorboard.summary.writer.event_file_writer; assert 'botocore' in sys.modules"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_tensorboards_writer_thread_is_told_by_its_module_and_only_its_os_errors_are_quieted(tmp_path, monkeypatch):
+    passed_on = []
+    monkeypatch.setattr(threading, "excepthook", passed_on.append)
+    quiet_writer_thread_errors()
+    before = set(threading.enumerate())
+    writer = summary_writer_class()(log_dir=str(tmp_path))
+    try:
+        started = set(threading.enumerate()) - before
+    finally:
+        writer.close()
+    (thread,) = [t for t in started if type(t).__module__.startswith("tensorboard.")]  # what the hook tells it by
+
+    def failed(thread: threading.Thread, error: type) -> threading.ExceptHookArgs:
+        return threading.ExceptHookArgs([error, error(), None, thread])
+
+    for args in (failed(thread, OSError), failed(thread, ValueError), failed(threading.Thread(), OSError)):
+        threading.excepthook(args)
+    assert [args.exc_type for args in passed_on] == [ValueError, OSError]
 
 
 # --- what runlab's own Hydra plugins use (they may not import framework) ---------------------------
