@@ -113,26 +113,25 @@ def describe(error: Any) -> str:
 class RunlabSchemaSource(ConfigSource):
     """runlab's schemas by name (``DigitsDataConfig``), as Hydra's structured source serves the ConfigStore's."""
 
-    nodes: Dict[str, Any] = {}  # "name.yaml" -> the schema as a config; each built once per process
+    # "name.yaml" -> the schema's class, and the schema as a config once a composition asked for it:
+    # a run's config extends a third of the schemas, and building one takes a few milliseconds.
+    classes: Dict[str, type] = {}
+    nodes: Dict[str, Any] = {}
 
     def __init__(self, provider: str, path: str) -> None:
         super().__init__(provider=provider, path=path)
         self.load_schemas()  # Hydra builds its sources anew for each composition: a schema added since is served
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        # A job's process (submitit, Ray) gets the config loader pickled, without this class's nodes.
+        # A job's process (submitit, Ray) gets the config loader pickled, without this class's schemas.
         self.__dict__.update(state)
         self.load_schemas()
 
     @classmethod
     def load_schemas(cls) -> None:
-        from omegaconf import OmegaConf
-
         from framework.config import schemas
 
-        for name, schema in schemas().items():
-            if f"{name}.yaml" not in cls.nodes:
-                cls.nodes[f"{name}.yaml"] = OmegaConf.structured(schema)
+        cls.classes.update((f"{name}.yaml", schema) for name, schema in schemas().items())
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "RunlabSchemaSource":
         # Hydra deep-copies its config repository before each composition (run.py --help: once per
@@ -144,9 +143,13 @@ class RunlabSchemaSource(ConfigSource):
         return "runlab-schema"
 
     def load_config(self, config_path: str) -> ConfigResult:
+        from omegaconf import OmegaConf
+
         name = self._normalize_file_name(config_path)
-        if name not in self.nodes:
+        if name not in self.classes:
             raise ConfigLoadError(f"runlab has no schema {config_path}")
+        if name not in self.nodes:
+            self.nodes[name] = OmegaConf.structured(self.classes[name])
         return ConfigResult(config=copy.deepcopy(self.nodes[name]), path=f"{self.scheme()}://{self.path}",
                             provider=self.provider, header={"package": None})
 
@@ -155,14 +158,14 @@ class RunlabSchemaSource(ConfigSource):
 
     def is_group(self, config_path: str) -> bool:
         prefix = config_path.strip("/")
-        return prefix == "" or any(name.startswith(f"{prefix}/") for name in self.nodes)
+        return prefix == "" or any(name.startswith(f"{prefix}/") for name in self.classes)
 
     def is_config(self, config_path: str) -> bool:
-        return self._normalize_file_name(config_path.rstrip("/")) in self.nodes
+        return self._normalize_file_name(config_path.rstrip("/")) in self.classes
 
     def list(self, config_path: str, results_filter: Optional[ObjectType]) -> List[str]:
         prefix = f"{config_path.strip('/')}/".lstrip("/")
-        entries = {name[len(prefix):].split("/")[0] for name in self.nodes if name.startswith(prefix)}
+        entries = {name[len(prefix):].split("/")[0] for name in self.classes if name.startswith(prefix)}
         found: List[str] = []
         for entry in entries:
             self._list_add_result(files=found, file_path=f"{prefix}{entry}", file_name=entry, results_filter=results_filter)
