@@ -3,6 +3,16 @@
 A checkpoint holds the unwrapped model's weights, the optimizer and scheduler, the loop
 position, every RNG state and the resolved config with the model's constructor call, so
 ``load_model`` rebuilds the network from the file alone.
+
+A sharded checkpoint (``checkpoint.sharded=true``, parallel=fsdp) holds the same dict, but no
+process ever holds all of its tensors: each process writes its shards of the model and optimizer
+with ``torch.distributed.checkpoint`` (DCP) into a directory, and rank 0 writes the rest beside
+them, as ``runlab.pt``. The directories live in ``checkpoints/sharded/``, and ``last.pt`` and
+``best.pt`` are symbolic links to them: replacing a link is atomic where replacing a directory is
+not, so a crash mid-write leaves the previous checkpoint in place, and every name and path that
+reads a checkpoint (``resume=auto``, ``ckpt=``, ``finetune.from=``) reads a sharded one too. One
+process reading it (task=eval, task=export, parallel=none or ddp) consolidates its tensors;
+parallel=fsdp reads each process's part, at any number of processes (framework/shards.py reads them).
 """
 from __future__ import annotations
 
@@ -14,7 +24,7 @@ import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -65,7 +75,11 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
 def atomic_link(source: Path, path: Path) -> None:
     """Make ``path`` a second name of the written and synced file ``source``, atomically: no data is
     copied or synced again. ``source`` is only ever replaced, never changed in place, so ``path``
-    keeps this content. Where the file system has no hard links, a copy."""
+    keeps this content. Where the file system has no hard links, a copy. Where ``source`` is a
+    sharded checkpoint's link, ``path`` becomes a link to the same directory."""
+    if source.is_symlink():
+        atomic_symlink(os.readlink(source), path)
+        return
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.unlink(missing_ok=True)  # left by a process of this pid that died between link and rename
     try:
@@ -79,6 +93,15 @@ def atomic_link(source: Path, path: Path) -> None:
     _fsync_dir(path.parent)
 
 
+def atomic_symlink(target: str | Path, path: Path) -> None:
+    """Make ``path`` a symbolic link to ``target`` (relative to ``path``'s folder), replacing what it was atomically."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    os.symlink(target, tmp)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
 def save_checkpoint(state: Dict[str, Any], path: Path) -> None:
     atomic_write(Path(path), lambda tmp: torch.save({"format": FORMAT, "version": VERSION, **state}, tmp))
 
@@ -86,7 +109,12 @@ def save_checkpoint(state: Dict[str, Any], path: Path) -> None:
 def written_checkpoint(run_dir: Path, kind: str) -> Optional[Path]:
     """A run dir's ``best`` or ``last`` checkpoint, if the run wrote it."""
     path = Path(run_dir) / "checkpoints" / f"{kind}.pt"
-    return path if path.is_file() else None
+    return path if path.is_file() or is_sharded(path) else None
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a checkpoint file or a sharded checkpoint's directory (not a run dir)."""
+    return Path(path).is_file() or is_sharded(Path(path))
 
 
 def read_pretrained(path: Path) -> Dict[str, Any]:
@@ -101,6 +129,10 @@ def read_pretrained(path: Path) -> Dict[str, Any]:
             return {"model": load_file(str(path))}
         except Exception as error:
             raise CheckpointError(f"{path} is not a readable safetensors file ({type(error).__name__}).") from None
+    if is_sharded(path):
+        from framework.shards import read_sharded
+
+        return read_sharded(path, require=("model", "model_spec"))
     state = read_weights_only(path)
     if isinstance(state, dict) and state.get("format") == FORMAT:
         return checked_state(state, path, require=("model", "model_spec"))
@@ -113,6 +145,8 @@ def resolve_checkpoint_path(path: str | Path) -> Path:
     """A checkpoint file, a run dir (its best checkpoint, else its last), or a folder of runs
     such as outputs/<name> (its most recently written run)."""
     path = Path(path)
+    if is_sharded(path):
+        return path
     if path.is_dir():
         run_dir = path
         if not (path / "checkpoints").is_dir():
@@ -208,6 +242,10 @@ def checked_state(state: Any, path: str | Path, require: Sequence[str] = ()) -> 
 def load_checkpoint(path: str | Path, require: Sequence[str] = ()) -> Dict[str, Any]:
     """A runlab checkpoint's dict, refused unless it holds every key in ``require`` (``checked_state``)."""
     path = resolve_checkpoint_path(path)
+    if is_sharded(path):
+        from framework.shards import read_sharded
+
+        return read_sharded(path, require)
     return checked_state(read_weights_only(path), path, require)
 
 
@@ -263,6 +301,101 @@ def load_model(path: str | Path, device: str = "cpu") -> nn.Module:
 def checkpoint_classes(state: Dict[str, Any]) -> List[str]:
     """The label of each output; checkpoints written before labels were kept get the indices."""
     return list(state.get("classes") or map(str, range(state["model_spec"].get("num_classes", 0))))
+
+
+# --- sharded checkpoints (checkpoint.sharded=true) ----------------------------------------
+
+SHARDED = "sharded"  # the folder of checkpoints/ that holds the directories last.pt and best.pt link to
+REST = "runlab.pt"  # a sharded checkpoint's state but its tensors, beside DCP's files
+DCP_METADATA = ".metadata"  # DCP's index of the tensors and their shards: a pickle
+
+
+def is_sharded(path: Path) -> bool:
+    """Whether ``path`` is a sharded checkpoint's directory (a damaged one included, to be refused as such)."""
+    return path.is_dir() and ((path / REST).exists() or (path / DCP_METADATA).exists())
+
+
+def split_tensors(state: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """A training state's model and optimizer tensors (what each process writes its shards of) and the
+    rest: DCP writes anything but a tensor as a pickle, which its reader would unpickle unchecked."""
+    optimizer = state.get("optimizer", {"state": {}, "param_groups": []})
+    tensors = {"model": state["model"], "optimizer": {
+        name: {key: value for key, value in values.items() if torch.is_tensor(value)}
+        for name, values in optimizer["state"].items()}}
+    rest = {key: value for key, value in state.items() if key != "model"}
+    rest["optimizer"] = {"param_groups": optimizer["param_groups"], "state": {
+        name: {key: value for key, value in values.items() if not torch.is_tensor(value)}
+        for name, values in optimizer["state"].items()}}
+    return tensors, rest
+
+
+def with_tensors(rest: Dict[str, Any], tensors: Dict[str, Any]) -> Dict[str, Any]:
+    """The inverse of ``split_tensors``."""
+    kept = rest["optimizer"]["state"]
+    state = {name: {**kept.get(name, {}), **values} for name, values in tensors["optimizer"].items()}
+    return {**rest, "model": tensors["model"], "optimizer": {"state": state,
+                                                             "param_groups": rest["optimizer"]["param_groups"]}}
+
+
+def unpublished(path: Path) -> Path:
+    """Where the processes write the sharded checkpoint ``path`` (last.pt) until it is complete."""
+    return path.parent / SHARDED / f".{path.name}.tmp"
+
+
+def clear(directory: Path) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def publish_sharded(tmp: Path, path: Path, step: int) -> None:
+    """Rank 0, once ``tmp`` holds the whole checkpoint, synced: move it to a name of its own and link
+    ``path`` to it. Until that link's rename, ``path`` names the previous checkpoint, whole."""
+    final = tmp.parent / f"step-{step}-{time.time_ns()}"
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    atomic_symlink(Path(SHARDED) / final.name, path)
+    prune_sharded(path.parent)
+
+
+def copy_sharded(source: Path, path: Path) -> None:
+    """Publish a copy of the sharded checkpoint ``source`` (the best.pt of the run a resumed run continues) as ``path``."""
+    tmp = unpublished(path)
+    clear(tmp)
+    shutil.copytree(source, tmp)
+    for copied in tmp.iterdir():
+        with open(copied, "rb+") as handle:
+            os.fsync(handle.fileno())
+    _fsync_dir(tmp)
+    publish_sharded(tmp, path, checked_state(read_weights_only(tmp / REST), source, require=("step",))["step"])
+
+
+def prune_sharded(directory: Path) -> None:
+    """Remove the sharded checkpoints no name in ``directory`` (last.pt, best.pt, step-<step>.pt) links
+    to any more: older writes and unfinished ones. The retention is the links'."""
+    if not (directory / SHARDED).is_dir():
+        return  # none written here
+    linked = {Path(os.readlink(name)).name for name in directory.iterdir() if name.is_symlink()}
+    for written in (directory / SHARDED).iterdir():
+        if written.name not in linked:
+            clear(written)
+    if not linked:  # the run went on in one file (it resumed a sharded checkpoint in one process)
+        (directory / SHARDED).rmdir()
+
+
+def by_index(state: Dict[str, Any]) -> Dict[str, Any]:
+    """An optimizer state with parameters by name (FSDP's) in torch's own form (by index), as parallel=none saves it."""
+    if not state:
+        return state  # a rank other than 0 of a gathered state: it writes nothing
+    names = [name for group in state["param_groups"] for name in group["params"]]
+    index = {name: i for i, name in enumerate(names)}
+    return {"state": {index[name]: value for name, value in state["state"].items()},
+            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def by_name(state: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
+    """The inverse of ``by_index``, for an optimizer whose parameters are ``names``."""
+    return {"state": {names[i]: value for i, value in state["state"].items()},
+            "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]]}
 
 
 # --- RNG state -------------------------------------------------------------------------
@@ -339,12 +472,16 @@ class Checkpointer:
     flight at a time; ``wait`` finishes it and re-raises its error, if any.
 
     Where building the state takes every process (``collective_state``: fsdp gathers the shards),
-    the others build it too, and only the writer writes it.
+    the others build it too, and only the writer writes it. Where every process writes its own
+    shards (``write_shards``, checkpoint.sharded=true), every process writes, on the training
+    thread: the write is collective; the writer then names it.
     """
 
     def __init__(self, directory: Path, monitor: str, mode: str, enabled: bool, is_writer: bool, *,
-                 every_n_steps: int = 0, every_minutes: float = 0.0, keep_last: int = 0, collective_state: bool = False):
+                 every_n_steps: int = 0, every_minutes: float = 0.0, keep_last: int = 0, collective_state: bool = False,
+                 write_shards: Optional[Callable[[Dict[str, Any], Path], None]] = None):
         self.directory, self.enabled, self.is_writer = Path(directory), enabled, is_writer
+        self.write_shards = write_shards
         self.builds_state = enabled and (is_writer or collective_state)
         self.tracker = MetricTracker(monitor, mode)
         self.best_epoch: Optional[int] = None  # the epoch count at the best validation
@@ -378,6 +515,10 @@ class Checkpointer:
 
     def _submit(self, state: Callable[[], Dict[str, Any]], improved: bool) -> None:
         built = state()
+        if self.write_shards:
+            self.written_at = time.monotonic()
+            self._write(built, improved)
+            return
         if not self.is_writer:
             return  # its part of a collective state is done
         copy = snapshot(built)
@@ -392,21 +533,33 @@ class Checkpointer:
         """Write last.pt now, on this thread: the run is stopping mid-epoch and a resume continues here."""
         if self.builds_state:
             self.wait()
-            built = state()
-            if self.is_writer:
-                save_checkpoint(built, self.last)
+            self._save_last(state())
+
+    def _save_last(self, state: Dict[str, Any]) -> None:
+        if self.write_shards:
+            self.write_shards(state, self.last)
+        elif self.is_writer:
+            save_checkpoint(state, self.last)
 
     def adopt_best(self, best: Path) -> None:
         """A resumed run starts with the best checkpoint of the run it continues, so its test uses it."""
-        if self.enabled and self.is_writer and best.is_file() and best.resolve() != self.best.resolve():
+        if not (self.enabled and self.is_writer and best.exists() and best.resolve() != self.best.resolve()):
+            return
+        if is_sharded(best):
+            copy_sharded(best.resolve(), self.best)
+        else:
             atomic_write(self.best, lambda tmp: shutil.copyfile(best, tmp))
 
     def _write(self, state: Dict[str, Any], improved: bool) -> None:
-        save_checkpoint(state, self.last)
+        self._save_last(state)
+        if not self.is_writer:
+            return
         if improved:
             atomic_link(self.last, self.best)
         if self.keep_last:
             self._keep_recent(state["step"])
+        if improved or self.keep_last:
+            prune_sharded(self.directory)  # what best.pt or step-<step>.pt no longer links to
 
     def _keep_recent(self, step: int) -> None:
         """Name the durable last.pt step-<step>.pt too; only then remove what keep_last no longer keeps."""
@@ -453,5 +606,6 @@ class EarlyStopping:
 
 def find_latest_checkpoint(search_dir: Path, exclude: Optional[Path]) -> Optional[Path]:
     """The most recently written last.pt under ``search_dir`` outside the run dir ``exclude``."""
-    candidates = [p for p in Path(search_dir).glob("**/checkpoints/last.pt") if exclude not in p.parents]
+    candidates = [p for p in Path(search_dir).glob("**/checkpoints/last.pt")
+                  if exclude not in p.parents and p.exists()]  # a link whose sharded checkpoint was not copied along
     return max(candidates, key=lambda p: p.stat().st_mtime, default=None)

@@ -521,6 +521,7 @@ class CheckpointConfig:
     every_n_steps: int = MISSING
     every_minutes: float = MISSING
     keep_last: int = MISSING
+    sharded: bool = MISSING
 
 
 @dataclass
@@ -737,12 +738,17 @@ def validate(cfg: DictConfig) -> None:
     _validate_objectives(cfg.optimized_metric, [*known, f"best/{cfg.checkpoint.monitor}"])
     _validate_model(cfg.model)
     _validate_search(cfg.search)
-    _require(cfg.resume in ("", "auto") or Path(cfg.resume).is_file(), f"resume={cfg.resume!r} is neither 'auto' nor an existing checkpoint file.")
+    from framework.checkpoint import is_checkpoint  # it imports this module
+
+    _require(cfg.resume in ("", "auto") or is_checkpoint(cfg.resume), f"resume={cfg.resume!r} is neither 'auto' nor an existing checkpoint file.")
     if cfg.task in ("eval", "export"):
         _require(bool(cfg.ckpt), f"task={cfg.task} needs ckpt=PATH, a checkpoint file or a run dir.")
         _require(Path(cfg.ckpt).exists(), f"ckpt={cfg.ckpt!r} does not exist.")
     _validate_finetune(cfg.finetune)
     parallel = schema_of(cfg.parallel)
+    _require(not cfg.checkpoint.sharded or parallel is FSDPParallelConfig,
+             f"checkpoint.sharded=true is only for parallel=fsdp (each process writes its shards of the model); "
+             f"{chosen('parallel', cfg.parallel)} writes one checkpoint file, so leave checkpoint.sharded=false.")
     _require(not (parallel and parallel.fixes_trainable_parameters and cfg.finetune.unfreeze_at_epoch >= 0),
              f"finetune.unfreeze_at_epoch={cfg.finetune.unfreeze_at_epoch} is not supported with {chosen('parallel', cfg.parallel)}; "
              "keep the backbone frozen (-1) or unfreeze from the start.")

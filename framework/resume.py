@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework.checkpoint import find_latest_checkpoint
+from framework.checkpoint import find_latest_checkpoint, written_checkpoint
 from framework.errors import ConfigError
 from framework.paths import live_run, shown
 
@@ -41,8 +41,8 @@ def checkpoint_to_resume(cfg: DictConfig, run_dir: Path) -> Optional[Path]:
     """The checkpoint ``resume`` names; None when there is nothing to resume."""
     if cfg.resume != "auto":
         return Path(cfg.resume) if cfg.resume else None
-    own = run_dir / "checkpoints" / "last.pt"
-    if own.is_file():  # this job, started again in its own run dir: a requeued SLURM job, a re-run trial
+    own = written_checkpoint(run_dir, "last")
+    if own:  # this job, started again in its own run dir: a requeued SLURM job, a re-run trial
         return own
     if multirun_job():
         log.info("resume=auto: this job of a sweep has no checkpoint in its own run dir; starting fresh.")

@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from framework.checkpoint import (Checkpointer, EarlyStopping, TRAINING_STATE, atomic_write, load_checkpoint, rng_state,
+from framework.checkpoint import (Checkpointer, EarlyStopping, TRAINING_STATE, atomic_write, rng_state,
                                   set_rng_state)
 from framework import batch as batches
 from framework.config import monitor_mode
@@ -101,7 +101,7 @@ class Trainer:
                                          monitor_mode(cfg, "checkpoint"), cfg.checkpoint.enabled, env.is_main,
                                          every_n_steps=cfg.checkpoint.every_n_steps,
                                          every_minutes=cfg.checkpoint.every_minutes, keep_last=cfg.checkpoint.keep_last,
-                                         collective_state=env.collective_state)
+                                         collective_state=env.collective_state, write_shards=env.shard_writer())
         self.early_stopping = EarlyStopping(**{**cfg.early_stopping, "mode": monitor_mode(cfg, "early_stopping")})
         self.nonfinite = NonFiniteGuard(cfg.trainer.on_nonfinite, str(cfg.trainer.precision), self.finite_state_kept)
         self.trial = sweep_trial(cfg, self.run_dir, env.is_main)
@@ -127,7 +127,7 @@ class Trainer:
         source = checkpoint_to_resume(self.cfg, self.run_dir)
         if source is None:
             return
-        state = load_checkpoint(source, require=TRAINING_STATE)
+        state = self.env.read_checkpoint(source, TRAINING_STATE, self.model, self.optimizer)
         check_same_model(state["model_spec"], self.spec, source)
         changes = changed_settings(state["config"], self.cfg)
         groups = configured_groups(self.optimizer)
@@ -291,7 +291,7 @@ class Trainer:
 
     def finite_state_kept(self) -> str:
         """Where the last finite state is, for a run that stops on a non-finite value."""
-        if not self.checkpointer.last.is_file():
+        if not self.checkpointer.last.exists():
             return "No checkpoint was written before it."
         return (f"{shown(self.checkpointer.last)} keeps the last finite state (epoch {self.epoch}); resume=auto with "
                 "a lower lr continues from it.")
@@ -419,7 +419,7 @@ class Trainer:
         caveat = self.nonfinite.caveat(steps_run)
         if caveat:
             log.warning(caveat)
-        written = [shown(path) for path in (self.checkpointer.best, self.checkpointer.last) if path.is_file()]
+        written = [shown(path) for path in (self.checkpointer.best, self.checkpointer.last) if path.exists()]
         log.info("Checkpoints: %s", ", ".join(written) if written else "none (checkpoint.enabled=false)")
         if (self.run_dir / "tensorboard").is_dir():
             log.info("TensorBoard: tensorboard --logdir %s", shown(self.run_dir / "tensorboard"))
@@ -429,9 +429,9 @@ class Trainer:
             return {}
         self.checkpointer.wait()
         self.env.barrier()  # every process reads best.pt only once rank 0 has finished writing it
-        if self.checkpointer.best.is_file():
+        if self.checkpointer.best.exists():
             # The checkpoint of the best epoch, not the last weights, is what a user would ship.
-            self.env.load_model_state(self.model, load_checkpoint(self.checkpointer.best, require=("model",))["model"])
+            self.env.load_model_state(self.model, self.env.read_checkpoint(self.checkpointer.best, ("model",), self.model)["model"])
         test = self.train_step.evaluate(eval_batches(self.data.test, self.cfg.data, self.env.device, self.env.rank,
                                                      self.env.world_size), self.step)
         return {f"test/{name}": value for name, value in test.items()}

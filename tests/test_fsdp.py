@@ -2,7 +2,8 @@
 
 It trains exactly like parallel=none (per-step losses and final weights, with gradient clipping
 over the sharded gradients, with and without accumulation); its checkpoints move both ways
-between fsdp and none; a kill -9 then resume=auto reaches the uninterrupted weights; and each
+between fsdp and none; a kill -9 then resume=auto reaches the uninterrupted weights, with
+single-file and with sharded checkpoints (tests/test_sharded_checkpoints.py has the rest of those); and each
 process holds about half the bytes of parameters, gradients and optimizer state that ddp's do.
 """
 from __future__ import annotations
@@ -109,8 +110,9 @@ KILLED = ["trainer.max_epochs=5", "batch_size=64", "model.width=32", "early_stop
 
 
 @pytest.mark.timeout(300)
-def test_kill_9_then_resume_auto_reaches_the_uninterrupted_weights(train, user, cli, tmp_path):
-    args = ["parallel=fsdp", "name=killed", *KILLED, "trainer.progress_bar=false"]
+@pytest.mark.parametrize("sharded", ["false", "true"])  # one file (rank 0's), or each process's shards
+def test_kill_9_then_resume_auto_reaches_the_uninterrupted_weights(train, user, cli, tmp_path, sharded):
+    args = ["parallel=fsdp", f"checkpoint.sharded={sharded}", "name=killed", *KILLED, "trainer.progress_bar=false"]
     log = tmp_path / "first.log"
     process = user.start(shlex.join(["python", "run.py", *args]), log)
     wait_for(lambda: saved_mid_epoch(lambda: user.outputs.glob("killed/*/checkpoints/last.pt")), process, log)
@@ -122,6 +124,7 @@ def test_kill_9_then_resume_auto_reaches_the_uninterrupted_weights(train, user, 
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     second = user.runs("killed")[-1]
     assert "Resumed from" in (second / "train.log").read_text()
+    assert (second / "checkpoints/last.pt").is_symlink() == (sharded == "true")
     assert read_metrics(second)["step"] == 5 * 19  # 1,257 train samples: 19 batches of 64
     _, reference = train(*KILLED)
     for name, value in final_weights(reference).items():

@@ -19,12 +19,13 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, List, Optional
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from framework.checkpoint import load_checkpoint
 from framework.errors import ConfigError, instantiate
 from framework.private_apis import compiled_original
 
@@ -122,6 +123,17 @@ class Environment:
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
+
+    def shard_writer(self) -> Optional[Callable[[Dict[str, Any], Path], None]]:
+        """What writes a checkpoint of which each process writes its own shards (checkpoint.sharded=true,
+        parallel=fsdp); None: rank 0 writes the one file ``model_state`` and ``optimizer_state`` fill."""
+        return None
+
+    def read_checkpoint(self, path: Path, require: Sequence[str], model: nn.Module,
+                        optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
+        """A checkpoint's state for ``load_model_state`` and ``load_optimizer_state`` (for ``model`` and
+        ``optimizer``): here a sharded one is read whole by every process."""
+        return load_checkpoint(path, require)
 
     def unsharded(self, model: nn.Module):
         """Context in which the model's forward passes need no other process: evaluation, where processes

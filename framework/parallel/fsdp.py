@@ -13,6 +13,10 @@ What the rest of runlab asks of the model goes through this environment:
 - checkpoints stay one portable file: ``model_state`` and ``optimizer_state`` gather the full
   state to rank 0's CPU memory, in the form parallel=none saves, and the ``load_*`` methods
   shard such a state again, so a checkpoint moves freely between none, ddp and fsdp;
+- with ``checkpoint.sharded=true``, for a model too big to gather, they are each process's shards
+  instead, which ``save_shards`` writes with ``torch.distributed.checkpoint`` (framework/checkpoint.py
+  has the format) and ``read_checkpoint`` reads back, each process its part at any number of
+  processes; one process (task=eval, parallel=none) reads such a checkpoint whole;
 - evaluation, and what rank 0 alone logs (TensorBoard's histograms and graph), run ``unsharded``:
   the parameters are gathered once, so forward passes need no collective and the processes may
   hold different numbers of evaluation batches;
@@ -29,9 +33,10 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
+import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
@@ -39,14 +44,19 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from framework.checkpoint import (REST, by_index, by_name, clear, is_sharded, publish_sharded, save_checkpoint,
+                                 split_tensors, unpublished)
 from framework.errors import ConfigError, ResourceError
 from framework.parallel import Task, unwrap
 from framework.parallel.distributed import DDP, DistributedEnvironment
+from framework.shards import read_sharded
 
 # The full state, gathered to rank 0's CPU memory (the other ranks get none of it).
 GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)
 # Every rank holds the full state (each read the checkpoint) and keeps its own shard of it.
 FULL = StateDictOptions(full_state_dict=True)
+# Each rank's own shards (checkpoint.sharded=true).
+SHARDED = StateDictOptions()
 
 
 @dataclass
@@ -54,6 +64,7 @@ class ShardedEnvironment(DistributedEnvironment):
     shard_modules: List[str] = field(default_factory=list)  # parallel.shard_modules
     reshard_after_forward: bool = True
     param_dtype: Optional[torch.dtype] = None  # bf16 under trainer.precision=bf16
+    sharded_checkpoints: bool = False  # checkpoint.sharded
 
     collective_state = True
     traceable = False  # the trace's own check fails on the module classes fully_shard makes for each instance
@@ -86,17 +97,56 @@ class ShardedEnvironment(DistributedEnvironment):
         return 0
 
     def model_state(self, model: nn.Module) -> Dict[str, torch.Tensor]:
-        return get_model_state_dict(unwrap(model), options=GATHERED)
+        return get_model_state_dict(unwrap(model), options=SHARDED if self.sharded_checkpoints else GATHERED)
 
     def load_model_state(self, model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
-        set_model_state_dict(unwrap(model), state, options=FULL)
+        sharded = any(isinstance(value, DTensor) for value in state.values())  # read by read_checkpoint
+        set_model_state_dict(unwrap(model), state, options=SHARDED if sharded else FULL)
 
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        if self.sharded_checkpoints:
+            return get_optimizer_state_dict(unwrap(model), optimizer, options=SHARDED)
         return by_index(get_optimizer_state_dict(unwrap(model), optimizer, options=GATHERED))
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
+        if all(isinstance(name, str) for group in state["param_groups"] for name in group["params"]):
+            set_optimizer_state_dict(unwrap(model), optimizer, state, options=SHARDED)  # by name: read by read_checkpoint
+            return
         names = parameter_names(unwrap(model), optimizer)
         set_optimizer_state_dict(unwrap(model), optimizer, by_name(state, names), options=FULL)
+
+    def shard_writer(self) -> Optional[Callable[[Dict[str, Any], Path], None]]:
+        return self.save_shards if self.sharded_checkpoints else None
+
+    def save_shards(self, state: Dict[str, Any], path: Path) -> None:
+        """Write ``model_state`` and ``optimizer_state``'s shards, each process its own, with the rest of
+        ``state`` beside them (rank 0), as the sharded checkpoint ``path``: atomically, as a single file is."""
+        tensors, rest = split_tensors(state)
+        tmp = unpublished(path)
+        if self.is_main:
+            clear(tmp)  # what a write killed midway left
+        self.barrier()  # no process writes into the folder before rank 0 cleared it
+        dcp.save(tensors, checkpoint_id=tmp)
+        # dcp.save returns on rank 0 once every process reported its shards written and synced, and its
+        # index (.metadata) too: the checkpoint is complete but for the rest, rank 0's to write.
+        if self.is_main:
+            save_checkpoint(rest, tmp / REST)
+            publish_sharded(tmp, path, state["step"])
+
+    def read_checkpoint(self, path: Path, require: Sequence[str], model: nn.Module,
+                        optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
+        """A sharded checkpoint is read by every process, each its own shards of this model and optimizer,
+        whatever the number of processes that wrote it; a single file as every mode reads it."""
+        if not is_sharded(Path(path)):
+            return super().read_checkpoint(path, require, model, optimizer)
+        state = {"model": get_model_state_dict(unwrap(model), options=SHARDED)}
+        if optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(unwrap(model), optimizer, options=SHARDED)
+        tensors, _ = split_tensors(state)
+        state = read_sharded(Path(path), require, into=tensors)
+        if optimizer is None:
+            del state["optimizer"]  # its part of the checkpoint was not read
+        return state
 
     @contextlib.contextmanager
     def unsharded(self, model: nn.Module) -> Iterator[None]:
@@ -141,23 +191,6 @@ def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> List[
     return [names[id(parameter)] for group in optimizer.param_groups for parameter in group["params"]]
 
 
-def by_index(state: Dict[str, Any]) -> Dict[str, Any]:
-    """A gathered optimizer state (parameters by name) in torch's own form (by index), as parallel=none saves it."""
-    if not state:
-        return state  # a rank other than 0: it writes nothing
-    names = [name for group in state["param_groups"] for name in group["params"]]
-    index = {name: i for i, name in enumerate(names)}
-    return {"state": {index[name]: value for name, value in state["state"].items()},
-            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
-                             for group in state["param_groups"]]}
-
-
-def by_name(state: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
-    """The inverse of ``by_index``, for this optimizer's parameters ``names``."""
-    return {"state": {names[i]: value for i, value in state["state"].items()},
-            "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]]}
-
-
 def check_fsdp(cfg: DictConfig) -> None:
     """What fsdp cannot do, refused before any process starts."""
     if str(cfg.trainer.precision) == "fp16":
@@ -188,4 +221,5 @@ class FSDP(DDP):
     def group_environment(self, cfg: DictConfig, **joined: Any) -> ShardedEnvironment:
         return ShardedEnvironment(**joined, shard_modules=list(self.shard_modules),
                                   reshard_after_forward=self.reshard_after_forward,
-                                  param_dtype=torch.bfloat16 if str(cfg.trainer.precision) == "bf16" else None)
+                                  param_dtype=torch.bfloat16 if str(cfg.trainer.precision) == "bf16" else None,
+                                  sharded_checkpoints=cfg.checkpoint.sharded)
