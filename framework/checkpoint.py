@@ -331,8 +331,8 @@ def split_tensors(state: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]
 
 def with_tensors(rest: Dict[str, Any], tensors: Dict[str, Any]) -> Dict[str, Any]:
     """The inverse of ``split_tensors``."""
-    kept = rest["optimizer"]["state"]
-    state = {name: {**kept.get(name, {}), **values} for name, values in tensors["optimizer"].items()}
+    read = tensors["optimizer"]
+    state = {name: {**values, **read.get(name, {})} for name, values in rest["optimizer"]["state"].items()}
     return {**rest, "model": tensors["model"], "optimizer": {"state": state,
                                                              "param_groups": rest["optimizer"]["param_groups"]}}
 
@@ -374,11 +374,11 @@ def prune_sharded(directory: Path) -> None:
     if not (directory / SHARDED).is_dir():
         return  # none written here
     linked = {Path(os.readlink(name)).name for name in directory.iterdir() if name.is_symlink()}
-    for written in (directory / SHARDED).iterdir():
+    if not linked:  # the run went on in one file (it resumed a sharded checkpoint in one process)
+        clear(directory / SHARDED)
+    for written in (directory / SHARDED).glob("*"):
         if written.name not in linked:
             clear(written)
-    if not linked:  # the run went on in one file (it resumed a sharded checkpoint in one process)
-        (directory / SHARDED).rmdir()
 
 
 def by_index(state: Dict[str, Any]) -> Dict[str, Any]:
