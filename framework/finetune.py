@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import subprocess
 import sys
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -35,7 +34,7 @@ from torch import nn
 
 from framework.checkpoint import checked_spec, read_pretrained, resolve_checkpoint_path
 from framework.config import command_line_overrides
-from framework.errors import CheckpointError, ConfigError
+from framework.errors import CheckpointError, ConfigError, Interrupted, RunlabError
 from framework.model import BATCH_NORMS, accepted_keys, model_spec
 
 log = logging.getLogger(__name__)
@@ -79,10 +78,17 @@ def pretrain_if_missing(cfg: DictConfig) -> None:
     command = [f"experiment={experiment}", *budget_overrides(cfg)]
     log.info("finetune.from=%s holds no checkpoint yet, so finetune.pretrain runs first: python run.py %s",
              source, " ".join(command))
-    done = subprocess.run([sys.executable, str(RUN_PY), *command, f"paths.output_dir={cfg.paths.output_dir}"])
-    if done.returncode or not has_checkpoint(source):
+    from framework.entry import run_command
+
+    try:  # its epoch lines show as they come (no progress bar: its stderr is read for the one line it may end with)
+        run_command([sys.executable, str(RUN_PY), *command, f"paths.output_dir={cfg.paths.output_dir}"])
+    except Interrupted:
+        raise
+    except RunlabError as error:
+        raise ConfigError(f"finetune.pretrain={experiment} failed: {error}") from None
+    if not has_checkpoint(source):
         raise ConfigError(f"finetune.pretrain={experiment} did not leave a checkpoint in finetune.from={source}; "
-                          f"run python run.py experiment={experiment} yourself and read its error.")
+                          f"set finetune.from to where python run.py experiment={experiment} writes its runs.")
 
 
 BUDGET_KEYS = ("max_epochs", "max_steps", "progress_bar")

@@ -222,6 +222,7 @@ def test_unfreezing_later_under_ddp_is_refused_before_any_work(train):
         train("parallel=ddp", "finetune.freeze=[block0.*]", "finetune.unfreeze_at_epoch=1")
 
 
-def test_a_pretrain_experiment_that_leaves_no_checkpoint_stops_in_one_line(cli):
+def test_a_pretrain_experiment_that_fails_ends_this_run_in_one_line_with_its_error(cli):
     line = one_line_error(cli("finetune.from=outputs/nothing", "finetune.pretrain=no_such_experiment", "logger=none"))
-    assert "finetune.pretrain=no_such_experiment did not leave a checkpoint in finetune.from=outputs/nothing" in line
+    assert line.startswith("runlab: error: finetune.pretrain=no_such_experiment failed: In 'config': Could not find "
+                           "'experiment/no_such_experiment' Available options in 'experiment': char_lm ")
