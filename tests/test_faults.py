@@ -353,7 +353,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_is_one_line(user):
     # The run writes to a 30 MB tmpfs; once its first last.pt exists, the disk is filled.
     fill = ("python run.py trainer.max_epochs=50 early_stopping.enabled=false trainer.progress_bar=false & "
             "until ls outputs/train/*/checkpoints/last.pt; do sleep 0.05; done; "
-            "head -c 100M /dev/zero > outputs/filler; wait $!; status=$?; "
+            "head -c 100M /dev/zero > outputs/filler 2>/dev/null; wait $!; status=$?; "
             "python -c 'import framework, glob; print(\"epoch\", framework.checkpoint.load_checkpoint("
             "glob.glob(\"outputs/train/*/checkpoints/last.pt\")[0])[\"epoch\"])'; exit $status")
     user.outputs.mkdir()
@@ -379,7 +379,7 @@ def test_a_full_disk_without_checkpoints_is_one_line_too(user, switched_off, ful
         pytest.skip("this machine cannot make a private mount namespace (unshare -rm)")
     fill = (f"python run.py trainer.max_epochs=50 early_stopping.enabled=false trainer.progress_bar=false "
             f"{' '.join(switched_off)} & until grep -qs 'epoch 1 ' outputs/train/*/train.log; do sleep 0.05; done; "
-            "head -c 100M /dev/zero > outputs/filler; wait $!")
+            "head -c 100M /dev/zero > outputs/filler 2>/dev/null; wait $!")
     user.outputs.mkdir()
     result = user.run(namespaced(fill, "mount -t tmpfs -o size=30m tmpfs outputs"), timeout=280)
     line = one_line_error(result, exit_code=4)
@@ -392,7 +392,7 @@ def test_a_disk_full_before_the_run_starts_is_one_line(user):
     if not mount_namespaces_work(user):
         pytest.skip("this machine cannot make a private mount namespace (unshare -rm)")
     user.outputs.mkdir()
-    fill = "head -c 10M /dev/zero > outputs/filler; python run.py trainer.max_epochs=1"
+    fill = "head -c 10M /dev/zero > outputs/filler 2>/dev/null; python run.py trainer.max_epochs=1"
     result = user.run(namespaced(fill, "mount -t tmpfs -o size=1m tmpfs outputs"), timeout=120)
     line = one_line_error(result, exit_code=4)
     assert re.search(r"no space left on device to create the run dir outputs/train/[^;]+; free some space", line), line
