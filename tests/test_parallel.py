@@ -223,6 +223,9 @@ def test_ddp_equals_one_device_and_its_checkpoint_resumes_under_another_mode(tra
     metrics, run_dir = train(*EXACT, "parallel=ddp", "parallel.world_size=2", "trainer.accumulate_grad_batches=2")
     assert_same_training(run_dir, reference, tolerance=1e-5)
     assert metrics == read_metrics(run_dir)  # rank 0's metrics came back to the caller
+    # Each rank scored its share of val and test: the metrics summed over both are the whole split's.
+    scores = {key: value for key, value in read_metrics(reference).items() if key.startswith(("val/", "test/"))}
+    assert {key: metrics[key] for key in scores} == pytest.approx(scores, abs=1e-5)
     log = (run_dir / "train.log").read_text()
     assert "starting 2 processes" in log and log.count("epoch 2  step") == 1  # rank 0 alone logs
     # One more epoch from each checkpoint: the ddp one under parallel=model, the other under none.
