@@ -3,8 +3,8 @@
 For each seed S, in one process and under a temporary output folder, the example's three
 commands (experiments/digits_finetune.yaml's comment) with seed=S:
 
-  pretrain   experiment=digits_pretrain seed=S (a small ResNet on digits 0-4, all labels)
-  finetune   experiment=digits_finetune seed=S (5-9 with 5 labels per class, from that run)
+  pretrain   experiment=digits_pretrain seed=S (a small ResNet on the even digits, all labels)
+  finetune   experiment=digits_finetune seed=S (the odd digits, 5 labels per class, from that run)
   scratch    experiment=digits_finetune seed=S finetune.from="" "finetune.freeze=[]"
              (the same ResNet, labels, steps and learning rate, from random weights)
 
@@ -51,7 +51,7 @@ def main() -> None:
     budget = [f"data.train_per_class={args.per_class}", f"batch_size={5 * args.per_class}"] if args.per_class else []
     example = compose(["experiment=digits_finetune", *budget])
     logging.disable(logging.INFO)
-    print(f"digits 5-9, {example.data.train_per_class} labels per class, {example.trainer.max_epochs} steps, lr {example.lr:g}, "
+    print(f"digits {list(example.data.classes)}, {example.data.train_per_class} labels per class, {example.trainer.max_epochs} steps, lr {example.lr:g}, "
           f"finetune.freeze={list(example.finetune.freeze)}; test/acc of the best checkpoint\n")
     print("| seed | fine-tuned | scratch | gain |\n|---:|---:|---:|---:|")
     rows = []

@@ -101,7 +101,7 @@ def test_a_model_without_head_name_needs_finetune_head_when_the_labels_change(tr
     assert torch.equal(before["net.1.weight"], after["net.1.weight"]) and not torch.equal(before["net.3.weight"], after["net.3.weight"])
 
 
-def test_the_example_pair_beats_the_same_budget_from_scratch_as_a_user_types_it(user):
+def test_the_example_pair_beats_the_same_budget_from_scratch_by_5_points_as_a_user_types_it(user):
     """The two commands of experiments/digits_finetune.yaml's comment, verbatim, at the default seed:
     fine-tuning (which runs digits_pretrain first, as there is none yet), then the same budget from
     scratch. benchmarks/transfer_vs_scratch.py gives the gain over 10 seeds."""
@@ -115,13 +115,13 @@ def test_the_example_pair_beats_the_same_budget_from_scratch_as_a_user_types_it(
     tuned_dir, scratch_dir = user.runs("digits_finetune")
     tuned, scratch = read_metrics(tuned_dir), read_metrics(scratch_dir)
     log = (tuned_dir / "train.log").read_text()
-    assert "architecture framework.model.ResNet from the checkpoint" in log and "25 train / 134 val samples" in log
+    assert "architecture framework.model.ResNet from the checkpoint" in log and "25 train / 136 val samples" in log
     assert "Head 'head' re-initialised: the labels differ from the pretraining run" in log
     assert "Frozen by finetune.freeze=['stem.*']" in log
-    assert "trainable, 0 frozen parameters; 25 train / 134 val samples" in (scratch_dir / "train.log").read_text()
+    assert "trainable, 0 frozen parameters; 25 train / 136 val samples" in (scratch_dir / "train.log").read_text()
     assert tuned["epoch"] == scratch["epoch"] == 30
-    # With the suite's one thread this measured 0.866 against 0.843; with two, 0.903 against 0.843.
-    assert tuned["test/acc"] > scratch["test/acc"], (tuned["test/acc"], scratch["test/acc"])
+    # The issue's bar. With the suite's one thread this measured 0.882 against 0.750; with two, 0.868 against 0.750.
+    assert tuned["test/acc"] - scratch["test/acc"] >= 0.05, (tuned["test/acc"], scratch["test/acc"])
 
 
 def test_eval_scores_the_test_split_and_reproduces_the_training_runs_metrics_exactly(train, cli, user):
