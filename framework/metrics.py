@@ -37,7 +37,8 @@ class SumsMetric(nn.Module):
         self.sums.zero_()
 
     def add(self, *values: torch.Tensor) -> None:
-        self.sums += torch.stack([value.to(torch.float64) for value in values])
+        # The counts a batch gives may be made on the CPU; the sums live where the outputs are.
+        self.sums += torch.stack([value.to(self.sums.device, torch.float64) for value in values])
 
     def compute(self, reduce: Reduce = alone) -> float:
         return float(self.value(reduce(self.sums)))
@@ -65,14 +66,21 @@ class Mean(SumsMetric):
         return sums[0] / sums[1]
 
 
+def per_label(outputs: torch.Tensor, target: torch.Tensor) -> tuple:
+    """Scores (N, C, ...) and labels (N, ...) as (N·..., C) and (N·...,): one row per label scored, as
+    cross entropy takes them (a class per position of a sequence or pixel of an image)."""
+    return outputs.movedim(1, -1).reshape(-1, outputs.shape[1]), target.reshape(-1)
+
+
 class Accuracy(SumsMetric):
-    """The share of samples whose label is among the ``top_k`` highest scores (MulticlassAccuracy, micro)."""
+    """The share of labels that are among the ``top_k`` highest scores (MulticlassAccuracy, micro)."""
 
     def __init__(self, top_k: int = 1):
         super().__init__(2)
         self.top_k = top_k
 
     def update(self, outputs: torch.Tensor, target: torch.Tensor) -> None:
+        outputs, target = per_label(outputs, target)
         hits = (outputs.topk(self.top_k, dim=1).indices == target[:, None]).any(1)
         self.add(hits.sum(), torch.tensor(float(len(target))))
 
@@ -88,6 +96,7 @@ class MacroF1(SumsMetric):
         self.num_classes = num_classes
 
     def update(self, outputs: torch.Tensor, target: torch.Tensor) -> None:
+        outputs, target = per_label(outputs, target)
         predicted = outputs.argmax(1)
         counts = lambda labels: torch.bincount(labels, minlength=self.num_classes)  # noqa: E731
         true_positives = counts(target[predicted == target])

@@ -73,8 +73,11 @@ class Objective(nn.Module):
         raise NotImplementedError
 
     def reset(self) -> None:
-        """Forget the last pass (or a pass that ran out of memory) before the next."""
-        raise NotImplementedError
+        """Forget the last pass (or a pass that ran out of memory) before the next: every metric this
+        objective holds (runlab's and torchmetrics' alike have ``reset``)."""
+        for module in self.modules():
+            if module is not self and callable(getattr(module, "reset", None)):
+                module.reset()
 
     @classmethod
     def example_input(cls, batch: Any) -> Optional[Any]:
@@ -135,10 +138,6 @@ class Supervised(Objective):
 
     def metric_target(self, target: torch.Tensor) -> torch.Tensor:
         return target
-
-    def reset(self) -> None:
-        for metric in (self.mean_loss, *self.metrics):
-            metric.reset()
 
     def compute(self, reduce: Reduce = alone) -> Dict[str, float]:
         return {"loss": self.mean_loss.compute(reduce),
@@ -266,10 +265,6 @@ class ModelLoss(Objective):
         self.mean_loss.update(loss.float(), weight=weight)
         for name, mean in zip(self.declared, self.means):
             mean.update(torch.as_tensor(values[name], dtype=torch.float64), weight=weight)
-
-    def reset(self) -> None:
-        for mean in (self.mean_loss, *self.means):
-            mean.reset()
 
     def compute(self, reduce: Reduce = alone) -> Dict[str, float]:
         loss = self.mean_loss.compute(reduce)

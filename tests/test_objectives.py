@@ -13,6 +13,7 @@ from conftest import composed, read_metrics
 from framework import batch as batches
 from framework.config import known_metrics
 from framework.errors import ConfigError
+from framework.metrics import Accuracy, Mean
 from framework.objective import Classification, ModelLoss, Multilabel, Regression, build_objective
 
 
@@ -84,6 +85,26 @@ def test_two_processes_shares_of_a_split_sum_to_the_whole_splits_metrics(objecti
     other = iter(shares[0])  # this process holds the second share; the reduce adds the first's state to it
     assert objective.compute(lambda state: state + next(other)) == pytest.approx(whole, rel=1e-6)  # the loss: float32 means of other batches
     assert objective.compute() != pytest.approx(whole, rel=1e-3)  # the second share alone is another value
+
+
+def test_a_class_per_position_is_scored_label_by_label():
+    generator = torch.Generator().manual_seed(4)
+    logits, target = torch.randn(6, 4, 9, generator=generator), torch.randint(4, (6, 9), generator=generator)
+    objective = Classification(output_size=4, label_smoothing=0.0, top_k=2)
+    objective.update(torch.nn.Identity(), (logits, target))  # (N, C, L) scores, (N, L) labels: as cross entropy takes them
+    found = objective.compute()
+    rows, labels = logits.movedim(1, -1).reshape(-1, 4), target.reshape(-1)
+    assert found["acc"] == pytest.approx(sk.accuracy_score(labels, rows.argmax(1)), abs=1e-9)
+    assert found["f1"] == pytest.approx(sk.f1_score(labels, rows.argmax(1), average="macro"), abs=1e-9)
+    assert found["acc_top2"] == pytest.approx((rows.topk(2, 1).indices == labels[:, None]).any(1).double().mean().item())
+
+
+def test_metrics_keep_their_sums_where_the_outputs_are():
+    # On a GPU the counts a batch gives are partly made on the CPU; "meta" stands in for the other device here.
+    mean, accuracy = Mean().to("meta"), Accuracy(top_k=1).to("meta")
+    mean.update(torch.zeros((), device="meta"), weight=3)
+    accuracy.update(torch.zeros(5, 3, device="meta"), torch.zeros(5, dtype=torch.long, device="meta"))
+    assert mean.sums.is_meta and accuracy.sums.is_meta
 
 
 def test_multilabel_reports_sklearns_micro_f1_and_mean_average_precision():
