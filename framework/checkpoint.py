@@ -64,12 +64,17 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     except (OSError, RuntimeError) as error:
         if not disk_full(error, path.parent):
             raise
-        kept = f"the previous {path.name} is kept" if path.exists() else f"no {path.name} was written before"
-        raise ResourceError(f"no space left on device writing {shown(path)}; {kept}. Free some space, then continue with "
-                            "resume=auto.") from None
+        raise no_space_left(path) from None
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
+
+
+def no_space_left(path: Path) -> ResourceError:
+    """The error of a checkpoint write to ``path`` that found the disk full; what was written before stays."""
+    kept = f"the previous {path.name} is kept" if path.exists() else f"no {path.name} was written before"
+    return ResourceError(f"no space left on device writing {shown(path)}; {kept}. Free some space, then continue with "
+                         "resume=auto.")
 
 
 def atomic_link(source: Path, path: Path) -> None:

@@ -5,6 +5,7 @@ second, which no process that reads no sharded checkpoint should pay.
 from __future__ import annotations
 
 import pickle
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
@@ -42,10 +43,18 @@ class ShardReader(FileSystemReader):
         if other:
             raise CheckpointError(f"{path.parent} was refused: {other[0]!r} is not a tensor, and runlab's sharded "
                                   "checkpoints hold only tensors (anything else would be unpickled unchecked).")
+        # DCP reads each shard from the path its metadata names: only a shard file of this folder is read.
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
+            name = getattr(info, "relative_path", None)
+            if not (isinstance(name, str) and SHARD_FILE.fullmatch(name)) or getattr(info, "transform_descriptors", None):
+                raise CheckpointError(f"{path.parent} was refused: its {DCP_METADATA} names {name!r} as a shard, not "
+                                      "one of its own __<rank>_<n>.distcp files.")
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+
+SHARD_FILE = re.compile(r"__\d+_\d+\.distcp")  # the files DCP's FileSystemWriter names, in the folder itself
 
 # What DCP writes into .metadata for a state of tensors, and nothing else.
 DCP_CLASSES = {("torch.distributed.checkpoint.metadata", name) for name in (

@@ -7,6 +7,7 @@ resume=auto with sharded checkpoints, as a user types it.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -20,7 +21,7 @@ from safetensors.torch import load_file
 from conftest import SHRINK, read_metrics
 from framework.checkpoint import load_checkpoint
 from framework.entry import run
-from framework.errors import CheckpointError, ConfigError
+from framework.errors import CheckpointError, ConfigError, ResourceError
 from test_parallel import EXACT, final_weights, running_losses
 
 FSDP = ["parallel=fsdp", "parallel.world_size=2", "checkpoint.sharded=true"]
@@ -88,13 +89,35 @@ def test_a_damaged_or_foreign_sharded_checkpoint_is_refused_in_one_line(sharded_
     crafted, ran = copy("crafted"), tmp_path / "ran"
     with open(crafted / ".metadata", "wb") as handle:
         pickle.dump(RunsCode(ran), handle)
+    pointing_out = copy("pointing_out")  # its metadata names another checkpoint's shard file as its own
+    metadata = pickle.loads((pointing_out / ".metadata").read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = str((truncated / info.relative_path).resolve())
+    (pointing_out / ".metadata").write_bytes(pickle.dumps(metadata))
     refusals = {truncated: "is damaged, or is not this model's sharded checkpoint: its shards cannot be read",
-                without_rest: "is damaged: it lacks runlab.pt", crafted: "was refused and not executed"}
+                without_rest: "is damaged: it lacks runlab.pt", crafted: "was refused and not executed",
+                pointing_out: r"was refused: its \.metadata names '/.+/truncated/__\d_0\.distcp' as a shard, not one "
+                              "of its own"}
     for path, message in refusals.items():
         with pytest.raises(CheckpointError, match=message) as refused:
             load_checkpoint(path)
         assert "\n" not in str(refused.value)
     assert not ran.exists()
+
+
+def test_a_shard_that_cannot_be_written_ends_in_one_line_naming_why(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from framework.parallel.fsdp import shards_not_written
+
+    last, tmp = tmp_path / "checkpoints/last.pt", tmp_path / "checkpoints/sharded/.last.pt.tmp"
+    tmp.mkdir(parents=True)
+    failed = lambda error: dcp.CheckpointException("save", {1: (error, None)})  # noqa: E731  (as dcp.save raises)
+    full = shards_not_written(last, tmp, failed(OSError(errno.ENOSPC, "No space left on device")))
+    assert isinstance(full, ResourceError) and str(full).startswith("no space left on device writing")
+    denied = shards_not_written(last, tmp, failed(PermissionError(errno.EACCES, "Permission denied")))
+    assert isinstance(denied, CheckpointError)
+    assert str(denied).endswith("failed (PermissionError: [Errno 13] Permission denied); the previous one is kept.")
 
 
 class RunsCode:

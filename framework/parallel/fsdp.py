@@ -44,9 +44,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from framework.checkpoint import (REST, by_index, by_name, clear, is_sharded, publish_sharded, save_checkpoint,
-                                 split_tensors, unpublished)
-from framework.errors import ConfigError, ResourceError
+from framework.checkpoint import (REST, by_index, by_name, clear, is_sharded, no_space_left, publish_sharded,
+                                  save_checkpoint, split_tensors, unpublished)
+from framework.errors import CheckpointError, ConfigError, ResourceError, disk_full
 from framework.parallel import Task, unwrap
 from framework.parallel.distributed import DDP, DistributedEnvironment
 from framework.shards import read_sharded
@@ -126,7 +126,10 @@ class ShardedEnvironment(DistributedEnvironment):
         if self.is_main:
             clear(tmp)  # what a write killed midway left
         self.barrier()  # no process writes into the folder before rank 0 cleared it
-        dcp.save(tensors, checkpoint_id=tmp)
+        try:
+            dcp.save(tensors, checkpoint_id=tmp)
+        except dcp.CheckpointException as error:  # a BaseException: one failure per process that failed
+            raise shards_not_written(path, tmp, error) from None
         # dcp.save returns on rank 0 once every process reported its shards written and synced, and its
         # index (.metadata) too: the checkpoint is complete but for the rest, rank 0's to write.
         if self.is_main:
@@ -164,6 +167,16 @@ class ShardedEnvironment(DistributedEnvironment):
 
     def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def shards_not_written(path: Path, tmp: Path, error: BaseException) -> Exception:
+    """What ends the run when this process's shards could not be written: a full disk in one line, as a
+    single file's; else the failure, named. The previous checkpoint ``path`` links to is whole either way."""
+    failure = next(iter(getattr(error, "failures", {}).values()), (error,))[0]
+    if disk_full(failure, tmp.parent):
+        return no_space_left(path)
+    return CheckpointError(f"writing the sharded checkpoint {path} failed ({type(failure).__name__}: "
+                           f"{str(failure).strip()[:200]}); the previous one is kept.")
 
 
 def shard_blocks(model: nn.Module, class_names: List[str]) -> List[nn.Module]:
