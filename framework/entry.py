@@ -78,7 +78,8 @@ def cli(app: Callable[[], Any]) -> Any:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    if os.environ.get(HYDRA_RAISES) == "1":
+    users = os.environ.get(HYDRA_RAISES)
+    if users == "1":
         return app()
     os.environ[HYDRA_RAISES] = "1"
     try:
@@ -87,6 +88,10 @@ def cli(app: Callable[[], Any]) -> Any:
         if os.environ.pop(HYDRA_RAISES, None) is None:  # raised after composing: Hydra's own report
             raise
         exit_with(ConfigError(composition_error(error)))
+    finally:  # where no callback ran (--cfg job, --help), or the user's own value (0)
+        os.environ.pop(HYDRA_RAISES, None)
+        if users is not None:
+            os.environ[HYDRA_RAISES] = users
 
 
 class HydraReportsAgain(Callback):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import signal
 import sys
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -82,9 +83,9 @@ def pretrain_if_missing(cfg: DictConfig) -> None:
 
     try:  # its epoch lines show as they come (no progress bar: its stderr is read for the one line it may end with)
         run_command([sys.executable, str(RUN_PY), *command, f"paths.output_dir={cfg.paths.output_dir}"])
-    except Interrupted:
-        raise
     except RunlabError as error:
+        if isinstance(error, Interrupted) and error.signum in (signal.SIGINT, signal.SIGTERM):
+            raise  # Ctrl-C or SIGTERM, meant for this run as much as for its pretraining
         raise ConfigError(f"finetune.pretrain={experiment} failed: {error}") from None
     if not has_checkpoint(source):
         raise ConfigError(f"finetune.pretrain={experiment} did not leave a checkpoint in finetune.from={source}; "

@@ -1,8 +1,11 @@
 """The command line as a user types it: help, config printing, sweeps and one-line errors."""
+import os
+
 import pytest
 import torch
 
 from conftest import one_line_error, write_csv_without_label
+from framework.entry import cli as cli_entry
 from framework.errors import CheckpointError, ConfigError
 
 QUICK = ["trainer.max_steps=2", "trainer.progress_bar=false", "logger=none", "model.width=16"]
@@ -43,6 +46,17 @@ def test_a_default_run_imports_neither_torchmetrics_nor_torchvision(user):
 def test_a_bad_value_stops_with_one_line_and_exit_code_2(cli):
     line = one_line_error(cli("lr=-1"))
     assert "lr=-1.0 is invalid" in line and "positive" in line
+
+
+def test_the_command_line_leaves_hydra_full_error_as_it_found_it(monkeypatch):
+    # As after --cfg job or --help, where no callback hands reporting back to Hydra.
+    seen = []
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    cli_entry(lambda: seen.append(os.environ.get("HYDRA_FULL_ERROR")))
+    assert seen == ["1"] and "HYDRA_FULL_ERROR" not in os.environ
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
+    cli_entry(lambda: None)
+    assert os.environ["HYDRA_FULL_ERROR"] == "0"
 
 
 def test_a_corrupt_checkpoint_stops_with_one_line(cli, tmp_path):
