@@ -52,18 +52,22 @@ def ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     return torch.where(denominator == 0, torch.zeros_like(numerator), numerator / denominator.clamp_min(1e-300))
 
 
-class Mean(SumsMetric):
-    """The mean of per-batch values, each weighted by its batch's size (torchmetrics' MeanMetric)."""
+class Ratio(SumsMetric):
+    """A sum over a count (a weighted mean, the share of hits)."""
 
     def __init__(self):
         super().__init__(2)
 
+    def value(self, sums: torch.Tensor) -> torch.Tensor:
+        return sums[0] / sums[1]
+
+
+class Mean(Ratio):
+    """The mean of per-batch values, each weighted by its batch's size (torchmetrics' MeanMetric)."""
+
     def update(self, value: torch.Tensor, weight: float) -> None:
         value = torch.as_tensor(value).detach()
         self.add(value * weight, torch.as_tensor(float(weight)))
-
-    def value(self, sums: torch.Tensor) -> torch.Tensor:
-        return sums[0] / sums[1]
 
 
 def per_label(outputs: torch.Tensor, target: torch.Tensor) -> tuple:
@@ -72,20 +76,17 @@ def per_label(outputs: torch.Tensor, target: torch.Tensor) -> tuple:
     return outputs.movedim(1, -1).reshape(-1, outputs.shape[1]), target.reshape(-1)
 
 
-class Accuracy(SumsMetric):
+class Accuracy(Ratio):
     """The share of labels that are among the ``top_k`` highest scores (MulticlassAccuracy, micro)."""
 
     def __init__(self, top_k: int = 1):
-        super().__init__(2)
+        super().__init__()
         self.top_k = top_k
 
     def update(self, outputs: torch.Tensor, target: torch.Tensor) -> None:
         outputs, target = per_label(outputs, target)
         hits = (outputs.topk(self.top_k, dim=1).indices == target[:, None]).any(1)
         self.add(hits.sum(), torch.tensor(float(len(target))))
-
-    def value(self, sums: torch.Tensor) -> torch.Tensor:
-        return sums[0] / sums[1]
 
 
 class MacroF1(SumsMetric):
