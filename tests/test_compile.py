@@ -22,7 +22,8 @@ from framework.checkpoint import load_checkpoint
 from framework.errors import ConfigError
 from framework.model import MLP
 from framework.parallel import Compile, Environment, unwrap
-from test_parallel import EXACT, assert_same_training, final_weights, reference  # noqa: F401 (a fixture)
+from test_parallel import (EXACT, assert_same_training, final_weights, free_port, reference,  # noqa: F401 (a fixture)
+                           running_losses)
 
 COUNTED = "runlab_tests_counted"  # aot_eager, recording the graphs it compiles
 GRAPHS: List[torch.fx.GraphModule] = []
@@ -125,6 +126,44 @@ def test_ddp_compiles_the_module_inside_ddp_and_trains_as_one_device(train, refe
     _, run_dir = train(*EXACT, "trainer.compile=true", "trainer.compile_backend=aot_eager", "parallel=ddp",
                        "parallel.world_size=2", "trainer.accumulate_grad_batches=2")
     assert_same_training(run_dir, reference, tolerance=1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_fsdp_compiles_each_block_and_its_checkpoint_resumes_eager_under_none_and_fine_tunes(train, reference):
+    one_epoch = [*EXACT, "trainer.max_epochs=1"]
+    _, compiled = train(*one_epoch, "trainer.compile=true", "trainer.compile_backend=aot_eager", "parallel=fsdp",
+                        "parallel.world_size=2", "trainer.accumulate_grad_batches=2")
+    losses = running_losses(compiled)  # the first epoch's: those of parallel=none, and so of eager fsdp
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(running_losses(reference)[:len(losses)]), rtol=0,
+                               atol=1e-5)
+    assert list(final_weights(compiled)) == list(final_weights(reference))  # no "_orig_mod." in the names
+    _, resumed = train(*EXACT, f"resume={compiled / 'checkpoints/last.pt'}")  # parallel=none, compile off
+    for name, value in final_weights(reference).items():
+        torch.testing.assert_close(final_weights(resumed)[name], value, rtol=0, atol=1e-5, msg=name)
+    tuned, _ = train(*one_epoch, f"finetune.from={compiled}", "lr=1e-9")
+    assert tuned["val/loss"] == pytest.approx(load_checkpoint(compiled / "checkpoints/last.pt")["metrics"]["val/loss"],
+                                              abs=1e-4)
+
+
+def test_fsdp_back_offs_and_steps_compile_a_bounded_number_of_graphs_per_block(train, reference, monkeypatch):
+    """One fsdp process in this one, as torchrun's only rank, so that this file's backend sees the graphs.
+    A training step that runs out of memory ends an fsdp run; evaluation halves its batch (1024 -> 128)
+    as under none. Each block is compiled on its own, and recompiled at most a bounded few times (the
+    batch dimension made dynamic, eval's no-grad): a second run, resumed from the first's compiled
+    checkpoint, compiles as many graphs, and ends on the uninterrupted run's weights."""
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(name, value)
+    fsdp = [*EXACT, *COMPILED, "parallel=fsdp", "troubleshoot.inject_oom_above_batch=128"]
+    metrics, first = train(*fsdp, "trainer.max_epochs=1")
+    assert metrics["troubleshoot/eval_backoffs"] == 3 and metrics["troubleshoot/oom_backoffs"] == 0
+    assert {linears(graph) for graph in GRAPHS} == {1}  # block0, block1 and head, each compiled alone
+    first_graphs = len(GRAPHS)
+    forget_compiled()
+    _, resumed = train(*fsdp, f"resume={first / 'checkpoints/last.pt'}")
+    assert 3 <= len(GRAPHS) == first_graphs <= 3 * 4
+    for name, value in final_weights(reference).items():
+        torch.testing.assert_close(final_weights(resumed)[name], value, rtol=0, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("overrides, message", [

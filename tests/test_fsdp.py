@@ -23,7 +23,9 @@ from conftest import REPO, SHRINK, read_metrics
 from framework import parallel
 from framework.entry import resolved_run_config, run
 from framework.errors import ConfigError, ResourceError
-from framework.parallel.fsdp import ShardedEnvironment, shard_blocks
+from framework.parallel import Compile
+from framework.parallel.fsdp import ShardedEnvironment, compiled_blocks, plain_names, shard_blocks
+from framework.private_apis import compiled_original
 from test_faults import wait_for
 from test_parallel import EXACT, assert_same_training, final_weights, gone, running_losses, worker_pids
 from test_schedule import saved_mid_epoch
@@ -53,10 +55,21 @@ def test_blocks_are_top_level_children_or_the_named_classes():
         shard_blocks(model, ["Block"])
 
 
+def test_with_trainer_compile_each_block_is_compiled_in_its_place_and_keeps_its_plain_names():
+    model = nn.Sequential(nn.Flatten(), nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.Linear(2, 2))
+    blocks = shard_blocks(model, [])
+    plain = {id(parameter): name for name, parameter in model.named_parameters()}
+    compiled = compiled_blocks(model, blocks, Compile("aot_eager", None))
+    assert [compiled_original(block) for block in compiled] == blocks and list(model.children())[1:] == compiled
+    assert [name for name, _ in model.named_parameters()][0] == "1._orig_mod.0.weight"
+    assert plain_names(model) == plain  # the names checkpoints hold
+    with pytest.raises(ConfigError, match=r"parallel.shard_modules names Sequential, the model itself"):
+        compiled_blocks(model, [model], Compile("aot_eager", None))
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.precision=fp16"], "trainer.precision=fp16 is not supported with parallel=fsdp"),
     (["checkpoint.every_minutes=5"], "checkpoint.every_minutes=5.0 is not supported with parallel=fsdp"),
-    (["trainer.compile=true"], "trainer.compile=true is not supported with parallel=fsdp"),
 ])
 def test_what_fsdp_cannot_do_is_refused_before_any_process_starts(train, overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -60,9 +60,10 @@ def compiled(module: nn.Module, compile: Optional[Compile]) -> nn.Module:
     """``torch.compile(module)`` where ``compile`` asks for it, else ``module``.
 
     Each mode's ``wrap`` compiles the module a distributed wrapper runs (DDP's module, each
-    pipeline stage), as torch's guidance has it, not the wrapper. ``torch.compile(module)``,
-    not ``module.compile()``: torch 2.13 silently skips the latter for a model made only of
-    torch's own layers (an ``nn.Sequential``; pytorch/pytorch#150915). Checkpoints hold
+    pipeline stage, each block fsdp shards), as torch's guidance has it, not the wrapper.
+    ``torch.compile(module)``, not ``module.compile()``: torch 2.13 silently skips the latter for a
+    model made only of torch's own layers (an ``nn.Sequential``; pytorch/pytorch#150915), and 2.14.1
+    still does once ``fully_shard`` wrapped such a module. Checkpoints hold
     ``unwrap``'s plain model, without the ``_orig_mod.`` its parameter names get here.
 
     The batch dimension is not marked dynamic: a second batch size (an out-of-memory back-off,

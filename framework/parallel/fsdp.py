@@ -22,6 +22,7 @@ What the rest of runlab asks of the model goes through this environment:
   hold different numbers of evaluation batches;
 - ``trainer.precision=bf16`` keeps the parameters in bf16 for compute (FSDP2's
   ``MixedPrecisionPolicy``) and reduces the gradients in fp32.
+- ``trainer.compile=true`` compiles each block before it is sharded (``compiled_blocks``).
 
 Out-of-memory recovery cannot work here as it does under ddp: FSDP's collectives run inside the
 forward and the backward, block by block, so a process that ran out of memory cannot join the
@@ -47,8 +48,9 @@ from torch.distributed.tensor import DTensor
 from framework.checkpoint import (REST, by_index, by_name, clear, is_sharded, no_space_left, publish_sharded,
                                   save_checkpoint, split_tensors, unpublished)
 from framework.errors import CheckpointError, ConfigError, ResourceError, disk_full
-from framework.parallel import Task, unwrap
+from framework.parallel import Compile, Task, compiled, unwrap
 from framework.parallel.distributed import DDP, DistributedEnvironment
+from framework.private_apis import compiled_original
 from framework.shards import read_sharded
 
 # The full state, gathered to rank 0's CPU memory (the other ranks get none of it).
@@ -75,7 +77,7 @@ class ShardedEnvironment(DistributedEnvironment):
         model = model.to(self.device)
         policy = MixedPrecisionPolicy(param_dtype=self.param_dtype,
                                       reduce_dtype=torch.float32 if self.param_dtype is not None else None)
-        for block in shard_blocks(unwrap(model), self.shard_modules):
+        for block in compiled_blocks(unwrap(model), shard_blocks(unwrap(model), self.shard_modules), self.compile):
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
         # The root's parameters are gathered again at once for backward, so it keeps them (torch's default for it).
         return fully_shard(model, reshard_after_forward=False, mp_policy=policy)
@@ -198,10 +200,42 @@ def shard_blocks(model: nn.Module, class_names: List[str]) -> List[nn.Module]:
     return blocks
 
 
+def compiled_blocks(model: nn.Module, blocks: List[nn.Module], compile: Optional[Compile]) -> List[nn.Module]:
+    """The blocks to shard, each compiled in its place where trainer.compile asks for it: compiled before
+    fully_shard, as torchtitan compiles each transformer block, so that FSDP's hooks gather and free the
+    parameters around the compiled code. ``torch.compile(block)``: ``block.compile()`` of a block of torch's
+    own layers (an nn.Sequential, a Linear) runs eagerly once it is sharded, silently (torch 2.14.1).
+    Parameter names get the wrapper's ``_orig_mod.``, which torch.distributed.checkpoint's state dicts,
+    and so checkpoints, leave out."""
+    if compile is None:
+        return blocks
+    if any(block is model for block in blocks):
+        raise ConfigError(f"parallel.shard_modules names {type(model).__name__}, the model itself, which "
+                          "trainer.compile=true cannot compile as a block; name the classes of its blocks.")
+    places = {id(child): (parent, name) for parent in model.modules() for name, child in parent.named_children()}
+    wrapped = []
+    for block in blocks:
+        parent, name = places[id(block)]
+        wrapped.append(compiled(block, compile))
+        parent.register_module(name, wrapped[-1])
+    return wrapped
+
+
 def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> List[str]:
-    """The name of each parameter the optimizer holds, in its order (the order torch numbers them in)."""
-    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    """The name of each parameter the optimizer holds, in its order (the order torch numbers them in),
+    as torch.distributed.checkpoint names it: without a compiled block's ``_orig_mod.``."""
+    names = plain_names(model)
     return [names[id(parameter)] for group in optimizer.param_groups for parameter in group["params"]]
+
+
+def plain_names(module: nn.Module, prefix: str = "") -> Dict[int, str]:
+    """Each parameter's name in the model as it was before its blocks were compiled, by the parameter's id."""
+    module = compiled_original(module) or module
+    names = {id(parameter): prefix + name for name, parameter in module.named_parameters(recurse=False)}
+    for name, child in module.named_children():
+        for key, value in plain_names(child, f"{prefix}{name}.").items():
+            names.setdefault(key, value)  # a shared parameter keeps its first name, as named_parameters gives it
+    return names
 
 
 def check_fsdp(cfg: DictConfig) -> None:
@@ -209,10 +243,6 @@ def check_fsdp(cfg: DictConfig) -> None:
     if str(cfg.trainer.precision) == "fp16":
         raise ConfigError("trainer.precision=fp16 is not supported with parallel=fsdp: the gradient scaler would see "
                           "only this process's shard of the gradients; use trainer.precision=bf16.")
-    if cfg.trainer.compile:
-        raise ConfigError("trainer.compile=true is not supported with parallel=fsdp yet: compiling each block before "
-                          "fully_shard, as torch's guidance has it, adds _orig_mod. to the names of its parameters, "
-                          "which checkpoints must not hold; use parallel=ddp to compile, or trainer.compile=false.")
     if cfg.checkpoint.enabled and cfg.checkpoint.every_minutes:
         raise ConfigError(f"checkpoint.every_minutes={cfg.checkpoint.every_minutes} is not supported with parallel=fsdp: "
                           "every process takes part in writing a checkpoint, so they must agree on when without "
