@@ -2,18 +2,22 @@
 
 It trains exactly like parallel=none (per-step losses and final weights, with gradient clipping
 over the sharded gradients, with and without accumulation); its checkpoints move both ways
-between fsdp and none; a kill -9 then resume=auto reaches the uninterrupted weights, with
-single-file and with sharded checkpoints (tests/test_sharded_checkpoints.py has the rest of those); and each
-process holds about half the bytes of parameters, gradients and optimizer state that ddp's do.
+between fsdp and none; a run stopped by SIGTERM, then by kill -9, each time resumed with
+resume=auto, reaches the uninterrupted weights, with single-file and with sharded checkpoints
+(tests/test_sharded_checkpoints.py has the rest of those); and each process holds about half the
+bytes of parameters, gradients and optimizer state that ddp's do. (trainer.compile under fsdp:
+tests/test_compile.py.)
 """
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
+import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import pytest
 import torch
@@ -117,28 +121,53 @@ def continued(overrides: List[str], run_dir: Path, new_run_dir: Path) -> Tuple[P
     return new_run_dir, parallel.launch(trained_state_bytes, cfg, new_run_dir)["bytes"]
 
 
-# 95 steps, checkpointed every 4: the kill comes mid-run.
-KILLED = ["trainer.max_epochs=5", "batch_size=64", "model.width=32", "early_stopping.enabled=false", "logger=none",
-          "checkpoint.every_n_steps=4"]
+# 95 steps, checkpointed every 4: each stop comes mid-run.
+STOPPED = ["trainer.max_epochs=5", "batch_size=64", "model.width=32", "early_stopping.enabled=false", "logger=none",
+           "checkpoint.every_n_steps=4"]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sharded", ["false", "true"])  # one file (rank 0's), or each process's shards
-def test_kill_9_then_resume_auto_reaches_the_uninterrupted_weights(train, user, cli, tmp_path, sharded):
-    args = ["parallel=fsdp", f"checkpoint.sharded={sharded}", "name=killed", *KILLED, "trainer.progress_bar=false"]
+def test_sigterm_then_kill_9_each_resumed_with_resume_auto_reach_the_uninterrupted_weights(train, user, cli, tmp_path,
+                                                                                          sharded):
+    """A run stopped by SIGTERM (to the launcher alone, as `kill PID` sends it: it passes it on to the workers,
+    which save the step they are at) exits 143 with one line; resumed with resume=auto, that run is killed with kill -9 after a later mid-epoch
+    checkpoint; resumed again, it ends on the weights of a run never stopped."""
+    args = ["parallel=fsdp", f"checkpoint.sharded={sharded}", "name=stopped", *STOPPED, "trainer.progress_bar=false"]
     log = tmp_path / "first.log"
     process = user.start(shlex.join(["python", "run.py", *args]), log)
-    wait_for(lambda: saved_mid_epoch(lambda: user.outputs.glob("killed/*/checkpoints/last.pt")), process, log)
-    workers = worker_pids(process.pid)
-    os.killpg(process.pid, signal.SIGKILL)
-    assert process.wait(timeout=60) == -signal.SIGKILL
-    assert all(gone(pid) for pid in workers), "an fsdp worker outlived its launcher"
+    wait_for(lambda: saved_mid_epoch(lambda: user.outputs.glob("stopped/*/checkpoints/last.pt")), process, log)
+    stop(process, os.kill, signal.SIGTERM, exits=128 + signal.SIGTERM)  # the launcher alone, as `kill PID` does
+    console = log.read_text()
+    (line,) = [line for line in console.splitlines() if "runlab: interrupted:" in line]
+    assert console.rstrip().endswith(line) and "Traceback" not in console, console[-3000:]
+    stopped_at = int(re.fullmatch(r"runlab: interrupted: SIGTERM at step (\d+) \(epoch \d+\); saved outputs/stopped/"
+                                  r"\S+\. Continue with resume=auto\.", line)[1])
+    (first,) = user.runs("stopped")
+    log = tmp_path / "second.log"
+    process = user.start(shlex.join(["python", "run.py", *args, "resume=auto"]), log)
+    wait_for(lambda: saved_mid_epoch(lambda: (path for path in user.outputs.glob("stopped/*/checkpoints/last.pt")
+                                              if first not in path.parents)), process, log)
+    stop(process, os.killpg, signal.SIGKILL, exits=-signal.SIGKILL)
     resumed = cli(*args, "resume=auto", timeout=200)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    second = user.runs("killed")[-1]
-    assert "Resumed from" in (second / "train.log").read_text()
-    assert (second / "checkpoints/last.pt").is_symlink() == (sharded == "true")
-    assert read_metrics(second)["step"] == 5 * 19  # 1,257 train samples: 19 batches of 64
-    _, reference = train(*KILLED)
+    second, third = user.runs("stopped")[1:]
+    assert resumed_step(second) == stopped_at < resumed_step(third)
+    assert (third / "checkpoints/last.pt").is_symlink() == (sharded == "true")
+    assert read_metrics(third)["step"] == 5 * 19  # 1,257 train samples: 19 batches of 64
+    _, reference = train(*STOPPED)
     for name, value in final_weights(reference).items():
-        torch.testing.assert_close(final_weights(second)[name], value, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(final_weights(third)[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+def stop(launcher: subprocess.Popen, send: Callable[[int, int], None], signum: int, exits: int) -> None:
+    """``send(launcher.pid, signum)`` (os.kill or os.killpg) stops the fsdp run ``launcher`` leads: it exits
+    with ``exits``, and no worker outlives it."""
+    workers = worker_pids(launcher.pid)
+    send(launcher.pid, signum)
+    assert launcher.wait(timeout=60) == exits
+    assert all(gone(pid) for pid in workers), "an fsdp worker outlived its launcher"
+
+
+def resumed_step(run_dir: Path) -> int:
+    return int(re.search(r"Resumed from \S+ at step (\d+) \(epoch \d+\)\.", (run_dir / "train.log").read_text())[1])
