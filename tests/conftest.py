@@ -116,9 +116,16 @@ class UserShell:
         return sorted(p for p in (self.outputs / name).glob("*") if p.is_dir() and p.name != "multirun")
 
 
+@pytest.fixture(scope="session")
+def fresh_copy(tmp_path_factory) -> Path:
+    """One fresh copy per test process; each ``user`` gets a duplicate of it, its git repository
+    included (cheaper than listing, copying and committing the project again for every test)."""
+    return copy_repository(tmp_path_factory.mktemp("fresh") / "runlab")
+
+
 @pytest.fixture
-def user(tmp_path) -> UserShell:
-    return UserShell(copy_repository(tmp_path / "runlab"))
+def user(tmp_path, fresh_copy) -> UserShell:
+    return UserShell(Path(shutil.copytree(fresh_copy, tmp_path / "runlab", symlinks=True)))
 
 
 @pytest.fixture

@@ -289,13 +289,16 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+# docs/parallelism.md's command, which tests/test_readme.py leaves to this test.
+DOCS_DDP_SWEEP = "python run.py -m parallel=ddp lr=1e-3,1e-4 trainer.max_steps=5"
+
+
 @pytest.mark.timeout(240)
-def test_ddp_multirun_gives_one_complete_run_dir_per_job(tmp_path):
-    command = [sys.executable, str(REPO / "run.py"), "-m", "parallel=ddp", "lr=1e-3,1e-4", "trainer.max_steps=5",
-               "trainer.progress_bar=false", "model.width=32", f"paths.output_dir={tmp_path / 'outputs'}"]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=200)
+def test_the_docs_ddp_sweep_gives_one_complete_run_dir_per_job(user):
+    assert f"\n{DOCS_DDP_SWEEP}    #" in (REPO / "docs" / "parallelism.md").read_text()
+    done = user.run(DOCS_DDP_SWEEP, timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
-    jobs = sorted(p for p in (tmp_path / "outputs" / "train" / "multirun").glob("*/*") if p.is_dir())
+    jobs = sorted(p for p in (user.outputs / "train" / "multirun").glob("*/*") if p.is_dir())
     assert [p.name for p in jobs] == ["0", "1"]
     for job in jobs:
         for name in (".hydra/config.yaml", "train.log", "metrics.json", "checkpoints/last.pt", "tensorboard"):
