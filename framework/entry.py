@@ -227,11 +227,12 @@ def sweep(overrides: List[str]) -> SweepResult:
     return SweepResult.of(load_sweep_study(sweep_dir, cfg.hydra.sweeper.study_name or ""), sweep_dir)
 
 
-def run_command(command: List[str]) -> None:
-    """Run a runlab command here, its output shown as it comes; its one error line is raised, not printed."""
+def run_command(command: List[str], env: Optional[Dict[str, str]] = None) -> None:
+    """Run a runlab command here (in ``env``, or this process's environment), its output shown as it
+    comes; its one error line is raised, not printed."""
     with tempfile.TemporaryFile("w+") as stderr:
         with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"}) as process:
+                              env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}) as process:
             try:
                 for line in process.stdout:
                     sys.stdout.write(line)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import signal
 import sys
 from fnmatch import fnmatchcase
@@ -76,13 +77,21 @@ def pretrain_if_missing(cfg: DictConfig) -> None:
     source, experiment = cfg.finetune["from"], cfg.finetune.pretrain
     if not (source and experiment) or has_checkpoint(source):
         return
+    from framework import parallel
+
+    processes = parallel.launched_world_size(cfg)
+    if processes > 1:  # each of them would pretrain, into the same outputs
+        raise ConfigError(f"finetune.from={source} holds no checkpoint yet, and finetune.pretrain={experiment} cannot "
+                          f"run in each of the {processes} processes torchrun or the SLURM job started: run "
+                          f"python run.py experiment={experiment} first.")
     command = [f"experiment={experiment}", *budget_overrides(cfg)]
     log.info("finetune.from=%s holds no checkpoint yet, so finetune.pretrain runs first: python run.py %s",
              source, " ".join(command))
     from framework.entry import run_command
 
     try:  # its epoch lines show as they come (no progress bar: its stderr is read for the one line it may end with)
-        run_command([sys.executable, str(RUN_PY), *command, f"paths.output_dir={cfg.paths.output_dir}"])
+        run_command([sys.executable, str(RUN_PY), *command, f"paths.output_dir={cfg.paths.output_dir}"],
+                    env=pretraining_environment())
     except RunlabError as error:
         if isinstance(error, Interrupted) and error.signum in (signal.SIGINT, signal.SIGTERM):
             raise  # Ctrl-C or SIGTERM, meant for this run as much as for its pretraining
@@ -90,6 +99,15 @@ def pretrain_if_missing(cfg: DictConfig) -> None:
     if not has_checkpoint(source):
         raise ConfigError(f"finetune.pretrain={experiment} did not leave a checkpoint in finetune.from={source}; "
                           f"set finetune.from to where python run.py experiment={experiment} writes its runs.")
+
+
+def pretraining_environment() -> Dict[str, str]:
+    """This process's environment for the pretraining, a run of its own: not a rank of this run's
+    torchrun group, and not this sweep trial (whose study the sweeper names in RUNLAB_* variables:
+    the pretraining would report its validations to the trial, and could prune it)."""
+    from framework.parallel.distributed import outside_any_group
+
+    return {name: value for name, value in outside_any_group(os.environ).items() if not name.startswith("RUNLAB_")}
 
 
 BUDGET_KEYS = ("max_epochs", "max_steps", "progress_bar")

@@ -226,3 +226,28 @@ def test_a_pretrain_experiment_that_fails_ends_this_run_in_one_line_with_its_err
     line = one_line_error(cli("finetune.from=outputs/nothing", "finetune.pretrain=no_such_experiment", "logger=none"))
     assert line.startswith("runlab: error: finetune.pretrain=no_such_experiment failed: In 'config': Could not find "
                            "'experiment/no_such_experiment' Available options in 'experiment': char_lm ")
+
+
+def test_the_pretraining_is_a_run_of_its_own_not_the_sweep_trial_or_the_rank_that_starts_it(train, monkeypatch):
+    import framework.entry
+
+    group = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+             "TORCHELASTIC_RUN_ID": "job"}
+    for name, value in {**group, "RUNLAB_STUDY_NAME": "study", "RUNLAB_STORAGE": "sqlite:///study.db"}.items():
+        monkeypatch.setenv(name, value)
+    started = []
+    monkeypatch.setattr(framework.entry, "run_command", lambda command, env: started.append((command, env)))
+    with pytest.raises(ConfigError, match="did not leave a checkpoint"):  # the stand-in pretrained nothing
+        train("finetune.from=nothing_yet", "finetune.pretrain=digits_pretrain", *QUIET)
+    ((command, env),) = started
+    assert command[2] == "experiment=digits_pretrain"
+    assert not set(env) & {*group, "RUNLAB_STUDY_NAME", "RUNLAB_STORAGE"} and env["PATH"] == os.environ["PATH"]
+
+
+def test_a_pretraining_in_each_of_torchruns_processes_is_refused_before_any_work(train, monkeypatch):
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match="cannot run in each of the 2 processes torchrun or the SLURM job started: "
+                                          "run python run.py experiment=digits_pretrain first"):
+        train("parallel=ddp", "finetune.from=nothing_yet", "finetune.pretrain=digits_pretrain", *QUIET)

@@ -217,6 +217,10 @@ class Mode:
         """This process's rank when something outside runlab started the ranks; 0 otherwise."""
         return 0
 
+    def launched_world_size(self) -> int:
+        """How many processes something outside runlab started for this run; 1 otherwise."""
+        return 1
+
 
 @dataclass(frozen=True)
 class DataParallel(Mode):
@@ -252,6 +256,11 @@ def launched_rank(cfg: DictConfig) -> int:
     """This process's rank when something outside runlab started the ranks (torchrun, the tasks
     of a SLURM job): they may share one run dir. 0 otherwise."""
     return mode(cfg).launched_rank()
+
+
+def launched_world_size(cfg: DictConfig) -> int:
+    """How many processes torchrun or a SLURM job started for this run; 1 where runlab starts them."""
+    return mode(cfg).launched_world_size()
 
 
 def launch(task: Task, cfg: DictConfig, run_dir: Path) -> Any:

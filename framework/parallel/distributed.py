@@ -32,7 +32,7 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -187,6 +187,13 @@ def under_torchrun() -> bool:
     return all(name in os.environ for name in TORCHRUN_VARIABLES)
 
 
+def outside_any_group(environ: Mapping[str, str]) -> Dict[str, str]:
+    """``environ`` without what makes a process a rank of torchrun's group (its variables and its
+    agent's TORCHELASTIC_*): for a process that a rank starts as a run of its own."""
+    return {name: value for name, value in environ.items()
+            if name not in TORCHRUN_VARIABLES and not name.startswith("TORCHELASTIC_")}
+
+
 def join_job_tasks() -> None:
     """In a submitit job of several tasks, set the torchrun variables from the job's (submitit's
     own mapping: the first host is the master, the port follows from the job id)."""
@@ -220,6 +227,10 @@ class DDP(Mode):
         """This process's rank in a group started outside runlab (torchrun, submitit tasks); 0 otherwise."""
         join_job_tasks()
         return int(os.environ["RANK"]) if under_torchrun() else 0
+
+    def launched_world_size(self) -> int:
+        join_job_tasks()
+        return int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
 
     def group_environment(self, cfg: DictConfig, **joined: Any) -> DistributedEnvironment:
         """This process's environment once it joined the group; ``joined`` holds what join_group set up."""
