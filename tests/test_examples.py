@@ -6,7 +6,7 @@
 - a user's own package, examples/user_project: its Dataset of dict samples, model and loss.
 
 Each trains to better than a trivial predictor, resumes exactly after an interruption, trains
-under parallel=ddp as it does in one process, and runs as a 3-trial random search on its own metric.
+under parallel=ddp as it does in one process, and runs as a random search on its own metric.
 """
 import csv
 import math
@@ -115,14 +115,15 @@ def test_an_example_trains_under_ddp_as_in_one_process(user, name):
     ("waves", ["~hydra.sweeper.params", "lr=tag(log, interval(1e-3, 1e-2))", "model.hidden=choice(32, 64)"]),
 ])
 def test_an_example_sweeps_on_its_own_metric_in_its_direction(user, name, space):
-    result = user.run(typed(name, "search=random", "hydra.sweeper.n_trials=3", "trainer.max_epochs=2", "logger=none",
+    # 2 one-epoch trials: two different values tell the direction (the best is the lower one).
+    result = user.run(typed(name, "search=random", "hydra.sweeper.n_trials=2", "trainer.max_epochs=1", "logger=none",
                             *space, multirun=True), timeout=280)
     assert result.returncode == 0, result.stderr[-3000:]
     (study,) = (user.outputs / name / "multirun").glob("*/optimization_results.yaml")
     with open(study.parent / "trials.csv", newline="") as handle:
         values = [float(row["value"]) for row in csv.DictReader(handle)]
-    assert len(values) == 3 and len(set(values)) == 3
+    assert len(values) == 2 and len(set(values)) == 2
     # Every monitor of these examples is better lower: the best trial is the lowest (direction auto).
     assert yaml.safe_load(study.read_text())["best_value"] == pytest.approx(min(values), rel=1e-6)
-    for trial in range(3):
+    for trial in range(2):
         assert EXAMPLES[name][2] in read_metrics(study.parent / str(trial))
