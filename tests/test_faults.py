@@ -50,6 +50,14 @@ def wait_for(condition, process: subprocess.Popen, log: Path, within: float = 15
         time.sleep(0.05)
 
 
+def trained_in_process(user, *overrides: str) -> None:
+    """The run an earlier command would have left in the user's copy (outputs/train/<date>_<time>/),
+    made in this process (one process start fewer): the command typed after it is what the test is about."""
+    from framework.entry import run
+
+    run([*overrides, f"paths.output_dir={user.outputs}"])
+
+
 def namespaced(command: str, setup: str) -> str:
     """``command`` typed after ``setup`` in a private mount namespace (a small disk, a read-only
     folder) that the test can make without touching the machine."""
@@ -127,7 +135,7 @@ def test_a_non_finite_validation_metric_stops_the_run_before_any_checkpoint(cli,
 @pytest.mark.parametrize("ending", ["budget", "early stopping"])
 def test_resume_auto_on_a_complete_run_trains_nothing_and_exits_0(cli, user, ending):
     first = ["trainer.max_epochs=3"] if ending == "budget" else ["lr=1e-12", "early_stopping.patience=1"]
-    assert cli(*first, *QUICK).returncode == 0
+    trained_in_process(user, *first, *QUICK)
     (done,) = user.runs()
     before = (done / "metrics.json").read_text()
     result = cli(*first, *QUICK, "resume=auto")
@@ -140,7 +148,7 @@ def test_resume_auto_on_a_complete_run_trains_nothing_and_exits_0(cli, user, end
 
 def test_a_larger_budget_continues_on_a_schedule_rebuilt_for_it(cli, user):
     common = ["logger=csv", "trainer.log_every_n_steps=19", "trainer.progress_bar=false"]  # one lr value per epoch
-    assert cli("trainer.max_epochs=2", *common).returncode == 0
+    trained_in_process(user, "trainer.max_epochs=2", *common)
     result = cli("trainer.max_epochs=4", *common, "resume=auto")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trainer.max_epochs: 2 -> 4" in result.stdout and "scheduler.T_max: 2 -> 4" in result.stdout
@@ -152,7 +160,7 @@ def test_a_larger_budget_continues_on_a_schedule_rebuilt_for_it(cli, user):
 
 def test_resume_with_another_lr_trains_at_it_and_records_it(cli, user):
     common = ["logger=csv", "trainer.log_every_n_steps=19", "trainer.progress_bar=false", "trainer.max_epochs=4"]
-    assert cli(*common, "trainer.max_steps=38").returncode == 0  # stopped after 2 of 4 epochs
+    trained_in_process(user, *common, "trainer.max_steps=38")  # stopped after 2 of 4 epochs
     (first,) = user.runs()
     result = cli(*common, "lr=1e-2", f"resume={first}/checkpoints/last.pt")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -184,11 +192,7 @@ def test_resume_refuses_a_different_run_naming_the_key(train):
 
 
 def test_a_checkpoint_with_the_marker_but_missing_keys_is_one_line(cli, user):
-    assert cli("trainer.max_epochs=1", *QUICK).returncode == 0
-    (run_dir,) = user.runs()
-    state = load_checkpoint(run_dir / "checkpoints/last.pt")
-    del state["optimizer"], state["rng"]
-    torch.save(state, user.repo / "damaged.pt")
+    crafted_checkpoint(user.repo / "damaged.pt", optimizer=None, rng=None)
     line = one_line_error(cli("resume=damaged.pt", *QUICK))
     assert "damaged.pt has the runlab marker but lacks optimizer, rng" in line
 
@@ -235,14 +239,21 @@ def test_two_runs_started_together_get_a_dir_each(user, tmp_path):
         assert read_metrics(run_dir)["epoch"] == 2
 
 
-def test_a_live_run_holds_its_lock_and_resume_auto_refuses_it(cli, user, tmp_path):
+def test_a_live_run_holds_its_lock_and_resume_auto_refuses_it(user, tmp_path, monkeypatch):
+    """The refusal in-process (test_a_refused_resume_leaves_no_run_dir types a refused resume: one line, exit 2)."""
+    from framework.entry import run
+    from framework.errors import ConfigError
+
     log = tmp_path / "live.log"
     live = user.start("python run.py trainer.max_epochs=500 early_stopping.enabled=false logger=none", log)
     wait_for(lambda: list(user.outputs.glob("train/*/checkpoints/last.pt")), live, log)
     (run_dir,) = user.runs()
     assert (run_dir / "run.lock").read_text().startswith(f"pid {live.pid} on ")
-    line = one_line_error(cli("trainer.max_epochs=500", "resume=auto", *QUICK))
-    assert f"the latest run of 'train', {run_dir.relative_to(user.repo)}, is still running (pid {live.pid} on" in line
+    monkeypatch.chdir(user.repo)  # the run dir is named as a command typed there names it
+    named = f"the latest run of 'train', {run_dir.relative_to(user.repo)}, is still running (pid {live.pid} on"
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        run(["trainer.max_epochs=500", "resume=auto", f"paths.output_dir={user.outputs}", *QUICK],
+            run_dir=str(tmp_path / "refused"))
     live.send_signal(signal.SIGTERM)
     assert live.wait(timeout=60) == 143
     assert not (run_dir / "run.lock").exists()
@@ -470,7 +481,7 @@ def test_a_damaged_checkpoint_given_to_resume_is_one_line_and_leaves_no_run_dir(
 
 
 def test_a_refused_resume_leaves_no_run_dir(cli, user):
-    assert cli("trainer.max_epochs=1", "model.width=32", *QUICK).returncode == 0
+    trained_in_process(user, "trainer.max_epochs=1", "model.width=32", *QUICK)
     (first,) = user.runs()
     line = one_line_error(cli("trainer.max_epochs=2", "model.width=32", "trainer.progress_bar=false", "seed=7",
                               "resume=auto"))  # with TensorBoard, whose events file the refusal found written
