@@ -12,7 +12,7 @@ import sys
 import tempfile
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Union
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
@@ -82,6 +82,7 @@ def cli(app: Callable[[], Any]) -> Any:
     if users == "1":
         return app()
     os.environ[HYDRA_RAISES] = "1"
+    HydraReportsAgain.raising_for_cli = True
     try:
         return app()
     except (HydraException, OmegaConfBaseException) as error:
@@ -89,18 +90,53 @@ def cli(app: Callable[[], Any]) -> Any:
             raise
         exit_with(ConfigError(composition_error(error)))
     finally:  # where no callback ran (--cfg job, --help), or the user's own value (0)
+        HydraReportsAgain.raising_for_cli = False
         os.environ.pop(HYDRA_RAISES, None)
         if users is not None:
             os.environ[HYDRA_RAISES] = users
 
 
 class HydraReportsAgain(Callback):
-    """Called first once Hydra composed runlab's config: see ``cli``."""
+    """Called first once Hydra composed runlab's config: see ``cli``. A user's own HYDRA_FULL_ERROR=1
+    (``raising_for_cli`` false) stays set."""
+
+    raising_for_cli: ClassVar[bool] = False
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if HydraReportsAgain.raising_for_cli:
+            os.environ.pop(HYDRA_RAISES, None)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if not HydraReportsAgain.raising_for_cli:
+            return
+        try:
+            compose_each_swept_value(config)
+        except (HydraException, OmegaConfBaseException) as error:  # raised, Hydra would only warn of it
+            os.environ.pop(HYDRA_RAISES, None)
+            exit_with(ConfigError(composition_error(error)))
         os.environ.pop(HYDRA_RAISES, None)
 
-    on_multirun_start = on_run_start
+
+def compose_each_swept_value(config: DictConfig) -> None:
+    """Compose each value of each swept key on the command line once, before the sweep makes its dir:
+    Hydra composes a job's config only when the job starts, so a key or value it cannot compose
+    (``-m trainer.max_epoch=1,2``, ``-m model.width=64,abc``) would end the sweep in Hydra's report,
+    leaving an empty sweep dir, instead of ``cli``'s one line. Intervals (a sampler's) and globs
+    (group options) are left to the sweep."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
+
+    overrides = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+    fixed = [override.input_line for override in overrides if not override.is_sweep_override()]
+    loader = GlobalHydra.instance().config_loader()
+    for swept in overrides:
+        if swept.is_discrete_sweep() and swept.value_type != ValueType.GLOB_CHOICE_SWEEP:
+            for value in swept.sweep_string_iterator():
+                loader.load_sweep_config(config, [*fixed, f"{swept.get_key_element()}={value}"])
 
 
 def objective(metrics: Dict[str, float], optimized_metric: Any) -> Union[float, List[float]]:

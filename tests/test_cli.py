@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import one_line_error, write_csv_without_label
-from framework.entry import cli as cli_entry
+from framework.entry import HydraReportsAgain, cli as cli_entry
 from framework.errors import CheckpointError, ConfigError
 
 QUICK = ["trainer.max_steps=2", "trainer.progress_bar=false", "logger=none", "model.width=16"]
@@ -57,6 +57,10 @@ def test_the_command_line_leaves_hydra_full_error_as_it_found_it(monkeypatch):
     monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
     cli_entry(lambda: None)
     assert os.environ["HYDRA_FULL_ERROR"] == "0"
+    # A user's own 1 stays set for the whole run: the first callback hands back only what runlab set.
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    cli_entry(lambda: HydraReportsAgain().on_run_start(None) or seen.append(os.environ.get("HYDRA_FULL_ERROR")))
+    assert seen[-1] == "1"
 
 
 def test_a_corrupt_checkpoint_stops_with_one_line(cli, tmp_path):
@@ -72,7 +76,9 @@ def test_a_command_line_hydra_cannot_compose_ends_in_one_line_before_any_work(us
              ("modle=mlp",): "modle is not a key of the config; its keys are: task, name, seed, lr,",
              ("model.width=abc",): "model.width=abc (Value 'abc' of type 'str' could not be converted to Integer)",
              ("model=transformer",): "Could not find 'model/transformer' Available options in 'model': char_lm cnn",
-             ("-m", "trainer.max_epoch=3", "lr=1e-3,1e-2"): "trainer.max_epoch is not a key of trainer;"}
+             ("-m", "trainer.max_epoch=3", "lr=1e-3,1e-2"): "trainer.max_epoch is not a key of trainer;",
+             # A swept value, composed only by the job that takes it: checked before the sweep makes its dir.
+             ("-m", "model.width=64,abc"): "model.width=abc (Value 'abc' of type 'str' could not be converted to Integer)"}
     for args, message in typed.items():
         result = cli(*args)
         assert result.stderr.strip() == one_line_error(result) and message in result.stderr, (args, result.stderr)
