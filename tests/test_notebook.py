@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import one_line_error, read_metrics
+from framework.entry import run
+from framework.errors import ConfigError
 
 NEEDS = "needs the notebook extra (make install)"
 
@@ -125,7 +127,7 @@ def test_quickstart_notebook_runs_on_a_real_kernel(user):
 
 
 @pytest.mark.timeout(180)
-def test_a_mistake_in_a_notebook_shows_the_command_lines_one_line(user, cli):
+def test_a_mistake_in_a_notebook_shows_the_command_lines_one_line(user, tmp_path):
     nbformat = pytest.importorskip("nbformat", reason=NEEDS)
     pytest.importorskip("nbclient", reason=NEEDS)
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell('import framework\nframework.run(["lr=-1"])')])
@@ -134,24 +136,28 @@ def test_a_mistake_in_a_notebook_shows_the_command_lines_one_line(user, cli):
         client.execute_cell(notebook.cells[0], 0)
     [error] = [output for output in notebook.cells[0].outputs if output.output_type == "error"]
     assert error.ename == "ConfigError"
-    assert error.traceback == [one_line_error(cli("lr=-1"))]  # no traceback through the framework
+    # No traceback through the framework: the line the command line prints (which error.line is, as
+    # test_run_from_a_script_prints_each_epoch_and_returns_the_run checks), taken in this process.
+    with pytest.raises(ConfigError) as refused:
+        run(["lr=-1", f"paths.output_dir={tmp_path}"])
+    assert error.traceback == [refused.value.line]
 
 
 @pytest.mark.timeout(180)
 def test_run_from_a_script_prints_each_epoch_and_returns_the_run(user, cli):
-    script = ("import framework; result = framework.run(['trainer.max_epochs=2', 'model.width=32']); "
-              "print('RESULT', result['val/acc'], result.run_dir, result.best_checkpoint, result.last_checkpoint)")
+    # Then a mistake, in the same script (one process start fewer): it raises the error whose line the command line prints.
+    script = ("import framework\nresult = framework.run(['trainer.max_epochs=2', 'model.width=32'])\n"
+              "print('RESULT', result['val/acc'], result.run_dir, result.best_checkpoint, result.last_checkpoint)\n"
+              "try:\n    framework.run(['lr=-1'])\nexcept framework.errors.ConfigError as error:\n    print(error.line)")
     done = user.run(f"python -c {shlex.quote(script)}")
     assert done.returncode == 0, done.stderr[-2000:]
-    [run_dir] = user.runs("train")
+    run_dir = user.runs("train")[0]  # the refused run, later, leaves a dir of its own with its train.log
     assert [line for line in done.stdout.splitlines() if "] - epoch " in line][-1].split(" - ")[1].startswith("epoch 2 ")
-    _, val_acc, *paths = done.stdout.splitlines()[-1].split()
+    *_, result, refused = done.stdout.splitlines()
+    _, val_acc, *paths = result.split()
     assert float(val_acc) == read_metrics(run_dir)["val/acc"]
     assert paths == [str(run_dir), str(run_dir / "checkpoints" / "best.pt"), str(run_dir / "checkpoints" / "last.pt")]
-    # A mistake raises the error whose line the command line prints.
-    script = ("import framework\ntry:\n    framework.run(['lr=-1'])\nexcept framework.errors.ConfigError as error:\n"
-              "    print(error.line)")
-    assert user.run(f"python -c {shlex.quote(script)}").stdout.splitlines()[-1] == one_line_error(cli("lr=-1"))
+    assert refused == one_line_error(cli("lr=-1"))
 
 
 def test_sweep_refuses_what_is_not_a_search_preset(user):
