@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+import troubleshoot_worker
 from conftest import REPO, SHRINK, read_metrics
 from framework.checkpoint import load_checkpoint
 from framework.logger import Logger
@@ -98,23 +99,32 @@ REAL_OOM = ["data=synthetic", "data.input_shape=[1,32,32]", "data.num_samples=60
 HEADROOM_MB = 150
 
 
-def limited_run(tmp_path: Path, name: str, headroom_mb: int, *overrides: str) -> tuple:
-    run_dir = tmp_path / name
+def limited_run(tmp_path: Path, headroom_mb: int) -> tuple:
+    """A run whose address space is capped, in a process of its own (the cap is process-wide)."""
+    run_dir = tmp_path / "limited"
     run_dir.mkdir()
     command = [sys.executable, str(WORKER), "limited", str(headroom_mb), str(run_dir),
-               *REAL_OOM, f"paths.output_dir={tmp_path / 'outputs'}", *overrides]
+               *REAL_OOM, f"paths.output_dir={tmp_path / 'outputs'}"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((run_dir / "result0.json").read_text()), run_dir, done.stderr
 
 
+def unlimited_run(tmp_path: Path, *overrides: str) -> tuple:
+    """The same run without a cap, in this process (one process start fewer)."""
+    run_dir = tmp_path / "reference"
+    run_dir.mkdir()
+    troubleshoot_worker.limited_run(0, run_dir, [*REAL_OOM, f"paths.output_dir={tmp_path / 'outputs'}", *overrides])
+    return json.loads((run_dir / "result0.json").read_text()), run_dir
+
+
 @pytest.mark.timeout(300)
 def test_real_cpu_oom_under_an_address_space_limit_recovers(tmp_path):
-    limited, limited_dir, log_text = limited_run(tmp_path, "limited", HEADROOM_MB)
+    limited, limited_dir, log_text = limited_run(tmp_path, HEADROOM_MB)
     assert limited["troubleshoot/oom_backoffs"] >= 1 and limited["micro_batch"] < 2048
     assert "Out of memory at micro-batch 2048" in log_text and "DefaultCPUAllocator: can't allocate memory" in log_text
     accumulate = 2048 // limited["micro_batch"]
-    reference, reference_dir, _ = limited_run(tmp_path, "reference", 0, f"trainer.accumulate_grad_batches={accumulate}")
+    reference, reference_dir = unlimited_run(tmp_path, f"trainer.accumulate_grad_batches={accumulate}")
     assert reference["micro_batch"] == limited["micro_batch"] and reference["troubleshoot/oom_backoffs"] == 0
     assert limited["step"] == reference["step"] == 4
     # Equal up to rounding: oneDNN may pick another convolution algorithm with less memory to spare.
