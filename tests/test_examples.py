@@ -41,17 +41,17 @@ def typed(name: str, *overrides: str, multirun: bool = False) -> str:
     return " ".join([command, *map(shlex.quote, [*budget, *QUICK, *overrides])])
 
 
-def never_interrupted(user, train, name: str, workers: int):
-    """The run dir of the same run, never interrupted: in-process where the example's config is the
-    repository's own (one process start fewer); the user's project typed, as its config dir and
+def reference_run(user, train, name: str, run_name: str, *overrides: str):
+    """The run dir of a run the test compares with: in-process where the example's config is the
+    repository's own (one process start fewer); typed for the user's project, whose config dir and
     modules are given on the command line."""
     if name != "waves":
         command, budget, _ = EXAMPLES[name]
-        _, run_dir = train(command.split()[-1], *budget, *QUICK, f"data.num_workers={workers}", shrink=False)
+        _, run_dir = train(command.split()[-1], *budget, *QUICK, f"name={run_name}", *overrides, shrink=False)
         return run_dir
-    whole = user.run(typed(name, f"name={name}_whole", f"data.num_workers={workers}"))
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    (run_dir,) = user.runs(f"{name}_whole")
+    done = user.run(typed(name, f"name={run_name}", *overrides))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = user.runs(run_name)
     return run_dir
 
 
@@ -95,7 +95,8 @@ def test_an_example_trains_and_resumes_exactly_after_an_interruption(user, train
     resumed = user.run(typed(name, *overrides, "resume=auto"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Resumed from" in resumed.stdout + resumed.stderr
-    (cut,), uninterrupted = user.runs(f"{name}_cut")[-1:], never_interrupted(user, train, name, workers)
+    (cut,) = user.runs(f"{name}_cut")[-1:]
+    uninterrupted = reference_run(user, train, name, f"{name}_whole", f"data.num_workers={workers}")
     for key, value in final_weights(uninterrupted).items():
         assert torch.equal(final_weights(cut)[key], value), key
     metrics, resumed_metrics = read_metrics(uninterrupted), read_metrics(cut)
@@ -106,13 +107,12 @@ def test_an_example_trains_and_resumes_exactly_after_an_interruption(user, train
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["char_lm", "waves"])  # a model's own loss; a user's Dataset through DataLoaders
-def test_an_example_trains_under_ddp_as_in_one_process(user, name):
+def test_an_example_trains_under_ddp_as_in_one_process(user, train, name):
     # One epoch: still several logged losses to compare (char_lm 2, waves 4).
     same = ["logger=csv", "trainer.max_epochs=1", "model.dropout=0.0" if name != "waves" else "data.noise=0.2"]
-    one = user.run(typed(name, "name=one", *same))
     two = user.run(typed(name, "name=two", *same, "parallel=ddp", "parallel.world_size=2"))
-    assert one.returncode == 0 and two.returncode == 0, (one.stderr + two.stderr)[-3000:]
-    (one_dir,), (two_dir,) = user.runs("one"), user.runs("two")
+    assert two.returncode == 0, two.stderr[-3000:]
+    one_dir, (two_dir,) = reference_run(user, train, name, "one", *same), user.runs("two")
     losses, expected = running_losses(two_dir), running_losses(one_dir)
     assert len(losses) == len(expected) > 1
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-5)
