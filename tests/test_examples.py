@@ -1,5 +1,6 @@
 """The three examples that show runlab trains more than classifiers, each run as a user types it
-(a fresh copy of the repository, a subprocess, no override of a default path):
+(a fresh copy of the repository, a subprocess, no override of a default path); the runs they are
+compared with run in-process where the example's config is the repository's own:
 
 - regression on scikit-learn's diabetes data (experiment=diabetes_regression);
 - a character-level language model that defines its own loss (experiment=char_lm);
