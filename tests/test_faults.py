@@ -121,27 +121,40 @@ def test_skip_drops_the_steps_with_a_finite_loss_and_non_finite_gradients_too(tr
     skipped_two_steps(run_dir)
 
 
-def test_a_run_that_skipped_most_of_its_steps_ends_non_zero_in_one_line(cli, user):
-    line = one_line_error(cli("trainer.on_nonfinite=skip", "lr=1e6", "trainer.max_epochs=2", *QUICK), exit_code=3)
-    (run_dir,) = user.runs()
+def diverged_in_process(run_dir: Path, *overrides: str) -> str:
+    """The one line a run with ``overrides`` ends with, from a run in this process, whose exit code
+    is 3 (test_a_diverging_run_stops_at_the_step_and_keeps_the_last_finite_checkpoints and the ddp one
+    type theirs: exit 3, that one line, no traceback)."""
+    from framework.entry import run
+    from framework.errors import DivergedError
+
+    with pytest.raises(DivergedError) as raised:
+        run([*overrides, f"paths.output_dir={run_dir.parent / 'outputs'}"], run_dir=str(run_dir))
+    assert raised.value.exit_code == 3
+    return raised.value.line
+
+
+def test_a_run_that_skipped_most_of_its_steps_ends_non_zero_in_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    line = diverged_in_process(run_dir, "trainer.on_nonfinite=skip", "lr=1e6", "trainer.max_epochs=2", *QUICK)
     skipped = read_metrics(run_dir)["trainer/nonfinite_steps_skipped"]  # its results are kept, for a look
     assert skipped > 19
     assert line.startswith(f"runlab: error: {skipped} of 38 steps ({skipped / 38:.0%}) were skipped as non-finite")
     assert "more than half skipped the result is not a trained model" in line
 
 
-def test_a_finite_loss_with_non_finite_gradients_stops_at_that_step(cli, user):
-    line = one_line_error(cli(FAULTY, "+model.nan_grad_at_steps=[3]", *QUICK, env=aids_on_path(user)), exit_code=3)
+def test_a_finite_loss_with_non_finite_gradients_stops_at_that_step(tmp_path):
+    line = diverged_in_process(tmp_path / "run", FAULTY, "+model.nan_grad_at_steps=[3]", *QUICK)
     assert re.search(r"training diverged at step 3 \(epoch 1\): loss \d[^,]*, gradient norm nan\.", line), line
     assert line.endswith("No checkpoint was written before it.")
 
 
-def test_a_non_finite_validation_metric_stops_the_run_before_any_checkpoint(cli, user):
-    line = one_line_error(cli(FAULTY, "+model.nan_in_eval=true", *QUICK, env=aids_on_path(user)), exit_code=3)
+def test_a_non_finite_validation_metric_stops_the_run_before_any_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    line = diverged_in_process(run_dir, FAULTY, "+model.nan_in_eval=true", *QUICK)
     assert "training diverged at the validation after step 19 (epoch 1): val/loss nan" in line
     assert line.endswith("No checkpoint was written before it.")
-    (run_dir,) = user.runs()
-    assert not (run_dir / "checkpoints").exists()
+    assert (run_dir / "train.log").is_file() and not (run_dir / "checkpoints").exists()
 
 
 # --- resume means continue -----------------------------------------------------------------------
