@@ -218,10 +218,13 @@ def test_resume_refuses_a_different_run_naming_the_key(train):
             train("trainer.max_epochs=2", "logger=none", override, f"resume={first / 'checkpoints/last.pt'}")
 
 
-def test_a_checkpoint_with_the_marker_but_missing_keys_is_one_line(cli, user):
-    crafted_checkpoint(user.repo / "damaged.pt", optimizer=None, rng=None)
-    line = one_line_error(cli("resume=damaged.pt", *QUICK))
-    assert "damaged.pt has the runlab marker but lacks optimizer, rng" in line
+def test_a_checkpoint_with_the_marker_but_missing_keys_is_one_line(train, tmp_path):
+    """In-process (test_a_damaged_checkpoint_given_to_resume_is_one_line_and_leaves_no_run_dir types one)."""
+    from framework.errors import CheckpointError
+
+    path = crafted_checkpoint(tmp_path / "damaged.pt", optimizer=None, rng=None)
+    with pytest.raises(CheckpointError, match=re.escape(f"{path} has the runlab marker but lacks optimizer, rng")):
+        train(f"resume={path}", *QUICK)
 
 
 # --- signals -------------------------------------------------------------------------------------
