@@ -22,7 +22,7 @@ from framework import config
 from framework.config import CONF_DIR, metric_value, validate
 from framework.errors import (LOG_FORMAT, ConfigError, Interrupted, RunLogHandler, RunlabError, error_from_exit,
                               exit_with)
-from framework.paths import create_run_dir
+from framework.paths import create_run_dir, discard_new_run_dirs, discarded_if_refused
 from framework.results import RunResult, SweepResult
 from framework.search.summary import record_failed_job
 
@@ -216,11 +216,16 @@ def run(overrides: Optional[List[str]] = None, run_dir: Optional[str] = None) ->
     """
     cfg = resolved_run_config(list(overrides or []))
     if run_dir is None:  # a fresh dir, named as the command line names it
-        run_dir = create_run_dir(f"{cfg.paths.output_dir}/{cfg.name}/{datetime.now():%Y-%m-%d_%H-%M-%S}")
+        run_dir = discarded_if_refused(create_run_dir(f"{cfg.paths.output_dir}/{cfg.name}/{datetime.now():%Y-%m-%d_%H-%M-%S}"))
     path = Path(run_dir)
     path.mkdir(parents=True, exist_ok=True)
-    with run_logging(path / "train.log"):
-        return RunResult.of(execute(cfg, path), path)
+    try:
+        with run_logging(path / "train.log"):
+            return RunResult.of(execute(cfg, path), path)
+    except RunlabError as error:
+        if error.before_work:  # as on the command line, a refusal before any work leaves nothing behind
+            discard_new_run_dirs()
+        raise
 
 
 @contextlib.contextmanager

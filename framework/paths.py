@@ -36,7 +36,7 @@ from framework.errors import LOG_FORMAT, ConfigError, ResourceError, RunlabError
 from framework.help import text as help_text
 
 LOCK_FILE = "run.lock"
-RESOLVED_DIRS: List[Path] = []  # created by the runlab.new_dir resolver in this process
+RESOLVED_DIRS: List[Path] = []  # run dirs created in this process (runlab.new_dir, framework.run)
 PARENTS_MADE: List[Path] = []  # the folders above them that did not exist before, deepest first
 
 
@@ -70,11 +70,15 @@ def new_dir(path: str) -> str:
     if rank != "0":
         path = f"{path}.rank{rank}"
     try:
-        created = create_run_dir(path)
+        return discarded_if_refused(create_run_dir(path))
     except RunlabError as error:
         exit_with(error)
-    RESOLVED_DIRS.append(Path(created))
-    return created
+
+
+def discarded_if_refused(run_dir: str) -> str:
+    """``run_dir``, just created, goes again if the run is refused before any work (discard_new_run_dirs)."""
+    RESOLVED_DIRS.append(Path(run_dir))
+    return run_dir
 
 
 # What a run dir holds before the run does any work: Hydra's record of the config, the log, the

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import one_line_error, write_csv_without_label
-from framework.entry import HydraReportsAgain, cli as cli_entry
+from framework.entry import HydraReportsAgain, cli as cli_entry, run
 from framework.errors import CheckpointError, ConfigError
 
 QUICK = ["trainer.max_steps=2", "trainer.progress_bar=false", "logger=none", "model.width=16"]
@@ -165,3 +165,10 @@ def test_a_config_file_is_parsed_once_until_it_changes(tmp_path):
     assert source.load_config("exp").config == {"defaults": ["_self_"], "lr": 0.1}
     (tmp_path / "exp.yaml").write_text("defaults:\n  - _self_\nlr: 0.25\n")
     assert source.load_config("exp").config.lr == 0.25
+
+
+def test_a_run_refused_from_python_leaves_nothing_behind(tmp_path):
+    # As on the command line (test_faults.py): framework.run's own run dir goes with the refusal.
+    with pytest.raises(ConfigError, match="lr=-1.0 is invalid"):
+        run(["lr=-1", f"paths.output_dir={tmp_path / 'outputs'}"])
+    assert not (tmp_path / "outputs").exists()
