@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import gc
 import json
 import logging
 import re
@@ -208,7 +209,19 @@ DOCTOR = ["task=doctor", "troubleshoot.max_probe_batch=256", "troubleshoot.leak_
           "troubleshoot.profile_steps=2"]
 
 
-def test_doctor_on_cpu_without_gputil_writes_every_section(train, monkeypatch, capsys):
+@pytest.fixture
+def frozen_heap():
+    """The objects earlier tests left in this process are set aside from the garbage collector (gc.freeze), so that
+    the gc.collect() leak_check runs after each step walks only what the test made (in a worker that ran many files
+    first, each collect took a good part of a second). The steps' own garbage and leaks are collected and measured
+    as before."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+def test_doctor_on_cpu_without_gputil_writes_every_section(train, monkeypatch, capsys, frozen_heap):
     monkeypatch.setitem(sys.modules, "GPUtil", None)  # import GPUtil now raises ImportError
     metrics, run_dir = train(*DOCTOR, "troubleshoot.inject_oom_above_batch=64")
     report = json.loads((run_dir / "doctor.json").read_text())
@@ -276,7 +289,7 @@ def test_largest_batch_probe_restores_all_state(tmp_path):
 
 # --- leak check and memory tracking -------------------------------------------------------------
 
-def test_leak_check_flags_a_loss_summed_with_its_graph_and_passes_the_framework_step(tmp_path):
+def test_leak_check_flags_a_loss_summed_with_its_graph_and_passes_the_framework_step(tmp_path, frozen_heap):
     bench = make_bench(tmp_path, "model.width=256")
     batch = doctor_module.first_batch(bench)
     val_x, val_y = (tensor[:64] for tensor in bench.setup.data.val.tensors)
