@@ -1,5 +1,5 @@
-"""Image folders (data=imagefolder) and plain state dicts as finetune.from, walked as a user types
-them (the real torchvision and timm models: tests/test_vision.py)."""
+"""Image folders (data=imagefolder), trained as a user types it, and plain state dicts as finetune.from
+(the real torchvision and timm models: tests/test_vision.py)."""
 import json
 import re
 import stat
@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from conftest import aids_on_path, read_metrics
+from conftest import read_metrics
 from framework.checkpoint import load_checkpoint, load_model
 from framework.data import load_digits_arrays
 from framework.entry import run
@@ -62,20 +62,22 @@ def test_an_image_folder_trains_and_its_export_maps_outputs_to_labels(user, tmp_
     assert load_artifact(artifact).classes == labels
 
 
-def test_a_plain_state_dict_finetunes_with_its_head_found_and_its_layers_frozen_by_name(user, tmp_path):
-    """The path of torchvision's and timm's weight files, with a model named like theirs."""
+def test_a_plain_state_dict_finetunes_with_its_head_found_and_its_layers_frozen_by_name(train, tmp_path):
+    """The path of torchvision's and timm's weight files, with a model named like theirs. In-process (one
+    process start fewer): tests/test_readme.py types the README's fine-tuning from a plain torchvision state dict."""
     from usermodels import TorchvisionStyleNet
 
     torch.manual_seed(0)
     other = TorchvisionStyleNet(num_classes=1000, input_shape=(1, 8, 8))  # an ImageNet-sized head
     torch.save(other.state_dict(), tmp_path / "backbone.pth")
-    done = user.run(f"python run.py model=custom model._target_=usermodels.TorchvisionStyleNet finetune.from={tmp_path / 'backbone.pth'} 'finetune.freeze=[layer1.*]' "
-                    f"'data.classes=[5,6,7,8,9]' trainer.max_epochs=2 {QUIET}", env=aids_on_path(user))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "Head 'fc' re-initialised: the number of classes changed" in done.stdout
+    _, run_dir = train("model=custom", "model._target_=usermodels.TorchvisionStyleNet",
+                       f"finetune.from={tmp_path / 'backbone.pth'}", "finetune.freeze=[layer1.*]", "data.classes=[5,6,7,8,9]",
+                       "trainer.max_epochs=2", *QUIET.split(), shrink=False)
+    said = (run_dir / "train.log").read_text()
+    assert "Head 'fc' re-initialised: the number of classes changed" in said
     assert "matched 12 tensors; re-initialised 2 (head 2, missing 0, shape-mismatched 0); ignored 2 from the file " \
-           "(fc.weight, fc.bias)" in done.stdout
-    after = load_checkpoint(user.runs("train")[-1] / "checkpoints" / "last.pt")["model"]
+           "(fc.weight, fc.bias)" in said
+    after = load_checkpoint(run_dir / "checkpoints" / "last.pt")["model"]
     before = other.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("layer1."))  # BatchNorm statistics too
     assert not torch.equal(before["conv1.weight"], after["conv1.weight"]) and after["fc.weight"].shape == (5, 32)
