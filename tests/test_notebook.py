@@ -151,7 +151,7 @@ def test_run_from_a_script_prints_each_epoch_and_returns_the_run(user, cli):
               "try:\n    framework.run(['lr=-1'])\nexcept framework.errors.ConfigError as error:\n    print(error.line)")
     done = user.run(f"python -c {shlex.quote(script)}")
     assert done.returncode == 0, done.stderr[-2000:]
-    run_dir = user.runs("train")[0]  # the refused run, later, leaves a dir of its own with its train.log
+    (run_dir,) = user.runs("train")  # the refused run leaves no dir of its own
     assert [line for line in done.stdout.splitlines() if "] - epoch " in line][-1].split(" - ")[1].startswith("epoch 2 ")
     *_, result, refused = done.stdout.splitlines()
     _, val_acc, *paths = result.split()
