@@ -14,7 +14,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
@@ -112,6 +111,8 @@ def hydra_sweep_job(run_dir: Path) -> Optional[HydraSweepJob]:
 
 
 def sweep_trial(cfg: DictConfig, run_dir: Path, is_main: bool) -> NoTrial:
+    import torch  # here, not above: the sweeper imports this module, and sweeps apps that need no torch
+
     if cfg.search.num_threads:
         torch.set_num_threads(cfg.search.num_threads)
         log.info("torch runs on %d threads (search.num_threads).", cfg.search.num_threads)
