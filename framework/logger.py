@@ -13,6 +13,7 @@ import math
 import os
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Mapping
@@ -55,6 +56,17 @@ class Logger:
         """A resumed training goes on logging where the run it continues logged, from ``step`` on."""
 
     def close(self) -> None: ...
+
+
+def after_the_second_of_the_last_events_file(directory: Path) -> None:
+    """Wait, less than a second, until the clock is past the second the newest events file in ``directory``
+    is named after. TensorBoard reads a run's files in name order: the second each was made in, then the
+    host, the process id and a count of the writers that process made. A resume in the same second (a run
+    continued from Python just after it ended) could sort first, and its steps would then come before the
+    stopped run's, which TensorBoard drops as out of order."""
+    seconds = [int(name.split(".")[3]) for name in os.listdir(directory) if name.startswith("events.out.tfevents.")]
+    while seconds and time.time() < max(seconds) + 1:
+        time.sleep(0.05)
 
 
 def stops_on_a_full_disk(write):
@@ -220,6 +232,7 @@ class TensorBoardLogger(Logger):
             shutil.rmtree(own)  # only the empty events file opened in __init__
             own.symlink_to(previous, target_is_directory=True)
         self.directory, self.name = runs[0], runs[0].name
+        after_the_second_of_the_last_events_file(self.directory)
         self.writer = summary_writer_class()(log_dir=str(self.directory), purge_step=step + 1)
 
     @stops_on_a_full_disk

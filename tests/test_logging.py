@@ -211,6 +211,10 @@ def test_a_resumed_training_is_one_tensorboard_run_whose_curves_go_on(train):
     steps = [event.step for event in events.Scalars("train/loss_running")]
     assert steps == list(range(5, 58, 5))  # one curve, each step once, on to the end of epoch 3
     assert [event.step for event in events.Scalars("overview/metric/val/acc")] == [19, 30, 38, 57]
+    # TensorBoard reads the files in name order, which starts with the second each was made in: the resume's is
+    # named after a later second, even here, where it follows at once (in the same second its file could sort first).
+    seconds = [int(path.name.split(".")[3]) for path in sorted(event_dir(first).glob("events.out.tfevents.*"))]
+    assert len(seconds) == 2 and seconds[0] < seconds[1]
 
 
 def test_every_log_line_has_the_one_format_and_a_ddp_worker_its_rank_prefix(tmp_path):
