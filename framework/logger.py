@@ -185,20 +185,12 @@ def histogram(tag: str, values: torch.Tensor):
     low, high, total, squares = stats
     # One value: a bin of width 1 around it, as numpy makes.
     first, last = (low, high) if low < high else (low - 0.5, high + 0.5)
-    counts = bin_counts(values, first, last)
+    counts = torch.histc(values, bins=HISTOGRAM_BINS, min=first, max=last)
     # TensorBoard reads each bin's upper limit; a leading empty bin puts the lowest edge on the chart.
     histo = HistogramProto(min=low, max=high, num=values.numel(), sum=total, sum_squares=squares,
                            bucket_limit=torch.linspace(first, last, HISTOGRAM_BINS + 1).tolist(),
                            bucket=[0.0, *counts.tolist()])
     return Summary.Value(tag=tag, histo=histo)
-
-
-def bin_counts(values: torch.Tensor, first: float, last: float) -> torch.Tensor:
-    """How many of the values fall in each of HISTOGRAM_BINS equal bins from first to last (the last
-    bin holds last too), as torch.histc counts them: each value scaled to its bin's number and the
-    numbers counted, in half of histc's time on the CPU (0.37 ms instead of 0.76 for a 256x256 weight)."""
-    bins = ((values - first) * (HISTOGRAM_BINS / (last - first))).int().clamp_(0, HISTOGRAM_BINS - 1)
-    return torch.bincount(bins, minlength=HISTOGRAM_BINS)
 
 
 def statistics(values: torch.Tensor) -> list:

@@ -16,7 +16,7 @@ from tensorboard.util import tensor_util
 
 from conftest import REPO
 from framework.errors import ResourceError
-from framework.logger import HISTOGRAM_BINS, CSVLogger, TensorBoardLogger, bin_counts
+from framework.logger import CSVLogger, TensorBoardLogger
 
 # The group TensorBoard opens on, in the order it shows the cards.
 OVERVIEW = ["overview/loss/train", "overview/loss/val", "overview/metric/val/acc", "overview/metric/val/acc_top5",
@@ -100,16 +100,6 @@ def test_a_histogram_summarises_the_finite_values(tmp_path):
     histogram = events.Histograms("weights/weight")[0].histogram_value
     assert (histogram.min, histogram.max, histogram.num, histogram.sum, histogram.sum_squares) == (-1.0, 2.0, 3, 1.5, 5.25)
     assert sum(histogram.bucket) == 3 and histogram.bucket_limit[-1] == 2.0
-
-
-def test_histogram_bins_count_as_torch_histc_does():
-    """The lowest value in the first bin, the highest in the last, each other one where histc puts it."""
-    torch.manual_seed(0)
-    for values in (torch.randn(1000) * 3, torch.rand(257), torch.tensor([0.0, 1.0, 1.0, 2.0]), torch.randn(64, 64)):
-        values = values.flatten()
-        first, last = values.min().item(), values.max().item()
-        histc = torch.histc(values, bins=HISTOGRAM_BINS, min=first, max=last)
-        assert bin_counts(values, first, last).tolist() == histc.long().tolist()
 
 
 def test_tracing_the_graph_changes_nothing_that_is_trained(train):
