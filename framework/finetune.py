@@ -103,11 +103,12 @@ def pretrain_if_missing(cfg: DictConfig) -> None:
 
 def pretraining_environment() -> Dict[str, str]:
     """This process's environment for the pretraining, a run of its own: not a rank of this run's
-    torchrun group, and not this sweep trial (whose study the sweeper names in RUNLAB_* variables:
+    torchrun group, and not this sweep trial (whose study the sweeper names in TRIAL_VARIABLES:
     the pretraining would report its validations to the trial, and could prune it)."""
     from framework.parallel.distributed import outside_any_group
+    from framework.search.sweeper import TRIAL_VARIABLES
 
-    return {name: value for name, value in outside_any_group(os.environ).items() if not name.startswith("RUNLAB_")}
+    return {name: value for name, value in outside_any_group(os.environ).items() if name not in TRIAL_VARIABLES}
 
 
 BUDGET_KEYS = ("max_epochs", "max_steps", "progress_bar")

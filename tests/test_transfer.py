@@ -16,6 +16,7 @@ from framework.checkpoint import load_checkpoint, load_model, save_checkpoint
 from framework.errors import ConfigError
 from framework.entry import run
 from framework.export import load_artifact
+from framework.search.sweeper import TRIAL_VARIABLES
 
 QUIET = ["logger=none"]
 LOW_DIGITS, HIGH_DIGITS = "data.classes=[0,1,2,3,4]", "data.classes=[5,6,7,8,9]"
@@ -233,7 +234,8 @@ def test_the_pretraining_is_a_run_of_its_own_not_the_sweep_trial_or_the_rank_tha
 
     group = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
              "TORCHELASTIC_RUN_ID": "job"}
-    for name, value in {**group, "RUNLAB_STUDY_NAME": "study", "RUNLAB_STORAGE": "sqlite:///study.db"}.items():
+    trial = dict(zip(TRIAL_VARIABLES, ("study", "sqlite:///study.db", "3")))
+    for name, value in {**group, **trial}.items():
         monkeypatch.setenv(name, value)
     started = []
     monkeypatch.setattr(framework.entry, "run_command", lambda command, env: started.append((command, env)))
@@ -241,7 +243,7 @@ def test_the_pretraining_is_a_run_of_its_own_not_the_sweep_trial_or_the_rank_tha
         train("finetune.from=nothing_yet", "finetune.pretrain=digits_pretrain", *QUIET)
     ((command, env),) = started
     assert command[2] == "experiment=digits_pretrain"
-    assert not set(env) & {*group, "RUNLAB_STUDY_NAME", "RUNLAB_STORAGE"} and env["PATH"] == os.environ["PATH"]
+    assert not set(env) & {*group, *trial} and env["PATH"] == os.environ["PATH"]
 
 
 def test_a_pretraining_in_each_of_torchruns_processes_is_refused_before_any_work(train, monkeypatch):

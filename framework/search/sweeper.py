@@ -51,6 +51,9 @@ from framework.search.study import (PURPOSE, STOPPED, Heartbeat, default_storage
 log = logging.getLogger(__name__)
 
 OOM_MARKERS = ("out of memory", "can't allocate memory")
+# A trial's study name, storage and number, in the job's environment (hydra.job.env_set), which Hydra leaves out
+# of the override lines it prints; the run reads them as search.* (framework/config.py).
+TRIAL_VARIABLES = ("RUNLAB_STUDY_NAME", "RUNLAB_STORAGE", "RUNLAB_TRIAL")
 # hydra.sweeper.direction takes the words of checkpoint.mode and early_stopping.mode (framework/config.py's
 # Direction: min, max) as well as Optuna's, which the stock hydra-optuna-sweeper's configs hold. All default
 # to auto, the metric's own direction from the objective, so a user sets no direction at all. They stay
@@ -468,8 +471,8 @@ class StudySweeper(Sweeper):
         overrides = [*(f"{name}={value}" for name, value in trial.params.items()), *fixed]
         if self.runlab_app and self.storage is not None:
             # The trial finds its study through these (search.*), to report validations and ask whether to stop.
-            overrides += [f"hydra.job.env_set.RUNLAB_STUDY_NAME='{trial.study.study_name}'",
-                          f"hydra.job.env_set.RUNLAB_STORAGE='{self.storage}'", f"hydra.job.env_set.RUNLAB_TRIAL={trial.number}"]
+            values = (trial.study.study_name, self.storage, trial.number)
+            overrides += [f"hydra.job.env_set.{name}='{value}'" for name, value in zip(TRIAL_VARIABLES, values)]
         if rerun and self.runlab_app:
             overrides.append("resume=auto")  # its own run dir: continue from the last.pt its first run wrote
         return overrides
