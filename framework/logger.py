@@ -26,6 +26,7 @@ from torch import nn
 
 from framework.config import accepted_keys
 from framework.errors import ResourceError, disk_full, instantiate
+from framework.parallel import plain_named_parameters
 from framework.paths import shown
 from framework.private_apis import quiet_writer_thread_errors, summary_writer_class
 from framework.search.trial import NoTrial
@@ -262,8 +263,9 @@ class TensorBoardLogger(Logger):
         if not every or epoch % every:
             return
         # Gradients beside their weights, in the group "weights" that sorts after "overview"; one event for all.
+        # Tags by the names checkpoints hold, under trainer.compile too.
         tensors = {}
-        for name, parameter in model.named_parameters():
+        for name, parameter in plain_named_parameters(model):
             tensors[f"weights/{name}"] = parameter
             if parameter.grad is not None:
                 tensors[f"weights/{name}/grad"] = parameter.grad

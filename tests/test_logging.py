@@ -17,6 +17,8 @@ from tensorboard.util import tensor_util
 from conftest import REPO
 from framework.errors import ResourceError
 from framework.logger import CSVLogger, TensorBoardLogger
+from framework.parallel import Compile, compiled
+from framework.parallel.fsdp import compiled_blocks
 
 # The group TensorBoard opens on, in the order it shows the cards.
 OVERVIEW = ["overview/loss/train", "overview/loss/val", "overview/metric/val/acc", "overview/metric/val/acc_top5",
@@ -100,6 +102,19 @@ def test_a_histogram_summarises_the_finite_values(tmp_path):
     histogram = events.Histograms("weights/weight")[0].histogram_value
     assert (histogram.min, histogram.max, histogram.num, histogram.sum, histogram.sum_squares) == (-1.0, 2.0, 3, 1.5, 5.25)
     assert sum(histogram.bucket) == 3 and histogram.bucket_limit[-1] == 2.0
+
+
+def test_histogram_tags_are_the_parameters_plain_names_under_trainer_compile(tmp_path):
+    """torch.compile's wrapper puts "_orig_mod." in its parameters' names: fsdp compiles each block, none the model."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 1)))
+    compiled_blocks(model, [model[1]], Compile("aot_eager", None))
+    model = compiled(model, Compile("aot_eager", None))
+    assert [name for name, _ in model.named_parameters()][2] == "_orig_mod.1._orig_mod.0.weight"
+    logger = TensorBoardLogger(tmp_path, "run", "val/acc", histogram_every_n_epochs=1, log_graph=False, log_images=False)
+    logger.log_histograms(model, epoch=0)
+    logger.close()
+    assert read_events(tmp_path).Tags()["histograms"] == ["weights/0.weight", "weights/0.bias", "weights/1.0.weight",
+                                                          "weights/1.0.bias"]
 
 
 def test_tracing_the_graph_changes_nothing_that_is_trained(train):

@@ -19,7 +19,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from omegaconf import DictConfig
@@ -64,7 +64,8 @@ def compiled(module: nn.Module, compile: Optional[Compile]) -> nn.Module:
     ``torch.compile(module)``, not ``module.compile()``: torch 2.13 silently skips the latter for a
     model made only of torch's own layers (an ``nn.Sequential``; pytorch/pytorch#150915), and 2.14.1
     still does once ``fully_shard`` wrapped such a module. Checkpoints hold
-    ``unwrap``'s plain model, without the ``_orig_mod.`` its parameter names get here.
+    ``unwrap``'s plain model, and TensorBoard's histograms ``plain_named_parameters``' names, without
+    the ``_orig_mod.`` its parameter names get here.
 
     The batch dimension is not marked dynamic: a second batch size (an out-of-memory back-off,
     an epoch's last batch) recompiles once with it dynamic, and later sizes reuse that graph.
@@ -181,6 +182,25 @@ def unwrap(model: nn.Module) -> nn.Module:
         if inner is None:
             return model
         model = inner
+
+
+def plain_named_parameters(model: nn.Module) -> Iterator[Tuple[str, nn.Parameter]]:
+    """The plain model's parameters under their plain names, in ``named_parameters``' order: no ``_orig_mod.``
+    anywhere in a name, also where torch.compile wrapped a part of the model (each block fsdp shards)."""
+    seen = set()
+    for prefix, module in plain_modules(unwrap(model)):
+        for name, parameter in module.named_parameters(recurse=False):
+            if id(parameter) not in seen:  # a shared parameter keeps its first name, as named_parameters gives it
+                seen.add(id(parameter))
+                yield prefix + name, parameter
+
+
+def plain_modules(module: nn.Module, prefix: str = "") -> Iterator[Tuple[str, nn.Module]]:
+    """Each module under ``module`` (a compiled one as the module it compiled) and its parameters' plain prefix."""
+    module = compiled_original(module) or module
+    yield prefix, module
+    for name, child in module.named_children():
+        yield from plain_modules(child, f"{prefix}{name}.")
 
 
 def hookable(model: nn.Module) -> nn.Module:

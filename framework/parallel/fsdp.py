@@ -48,9 +48,8 @@ from torch.distributed.tensor import DTensor
 from framework.checkpoint import (REST, by_index, by_name, clear, is_sharded, no_space_left, publish_sharded,
                                   save_checkpoint, split_tensors, unpublished)
 from framework.errors import CheckpointError, ConfigError, ResourceError, disk_full
-from framework.parallel import Compile, Task, compiled, unwrap
+from framework.parallel import Compile, Task, compiled, plain_named_parameters, unwrap
 from framework.parallel.distributed import DDP, DistributedEnvironment
-from framework.private_apis import compiled_original
 from framework.shards import read_sharded
 
 # The full state, gathered to rank 0's CPU memory (the other ranks get none of it).
@@ -224,18 +223,8 @@ def compiled_blocks(model: nn.Module, blocks: List[nn.Module], compile: Optional
 def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> List[str]:
     """The name of each parameter the optimizer holds, in its order (the order torch numbers them in),
     as torch.distributed.checkpoint names it: without a compiled block's ``_orig_mod.``."""
-    names = plain_names(model)
+    names = {id(parameter): name for name, parameter in plain_named_parameters(model)}
     return [names[id(parameter)] for group in optimizer.param_groups for parameter in group["params"]]
-
-
-def plain_names(module: nn.Module, prefix: str = "") -> Dict[int, str]:
-    """Each parameter's name in the model as it was before its blocks were compiled, by the parameter's id."""
-    module = compiled_original(module) or module
-    names = {id(parameter): prefix + name for name, parameter in module.named_parameters(recurse=False)}
-    for name, child in module.named_children():
-        for key, value in plain_names(child, f"{prefix}{name}.").items():
-            names.setdefault(key, value)  # a shared parameter keeps its first name, as named_parameters gives it
-    return names
 
 
 def check_fsdp(cfg: DictConfig) -> None:
