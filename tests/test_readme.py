@@ -38,8 +38,9 @@ import yaml
 from conftest import REPO, UserShell, copy_repository, read_metrics
 from test_parallel import DOCS_DDP_SWEEP
 
-# Commands that a test of their own runs verbatim in a fresh copy, and checks further: not run twice
-# (nothing later on the pages reads their outputs).
+# Steps (a command as typed, or a console or python block's whole text: Step.typed) that a test of
+# their own runs verbatim in a fresh copy, and checks further: not run twice (nothing later on the
+# pages reads their outputs).
 RUN_BY_THEIR_OWN_TEST = {DOCS_DDP_SWEEP: "tests/test_parallel.py::test_the_docs_ddp_sweep_gives_one_complete_run_dir_per_job"}
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -170,6 +171,11 @@ class Step:
     def id(self) -> str:
         return f"{self.block.where} {self.command or self.block.kind}"[:90]
 
+    @property
+    def typed(self) -> str:
+        """What the reader types: the command without its comment, or a console or python block's whole text."""
+        return self.command.split(" #")[0].strip() if self.command else self.block.text.strip()
+
 
 def readme_steps() -> List[Step]:
     steps = []
@@ -193,7 +199,7 @@ def reader(tmp_path_factory) -> UserShell:
 def test_the_readme_format_is_understood():
     commands = [step.command.split(" #")[0].strip() for step in STEPS if step.command and not step.needs]
     assert len(commands) >= 20 and "python run.py -m lr=1e-3,1e-4" in commands
-    assert set(RUN_BY_THEIR_OWN_TEST) <= set(commands)  # each still a step of the pages, its test still named
+    assert set(RUN_BY_THEIR_OWN_TEST) <= {step.typed for step in STEPS if not step.needs}  # each still a step, its test still named
     assert all(name.split("::")[1] in (REPO / name.split("::")[0]).read_text() for name in RUN_BY_THEIR_OWN_TEST.values())
     readme = [step.command.split(" #")[0].strip() for step in STEPS if step.block.file == "README.md" and step.command]
     assert {"python run.py parallel=ddp", "python run.py -m lr=1e-3,1e-4", "python run.py experiment=digits_cnn",
@@ -209,9 +215,8 @@ def test_readme_step_works_verbatim_in_a_fresh_copy(reader, step, tmp_path):
     where = step.block.where
     if step.needs:
         pytest.skip(f"needs {step.needs}")
-    typed = step.command.split(" #")[0].strip()
-    if typed in RUN_BY_THEIR_OWN_TEST:
-        pytest.skip(f"run by {RUN_BY_THEIR_OWN_TEST[typed]}")
+    if step.typed in RUN_BY_THEIR_OWN_TEST:
+        pytest.skip(f"run by {RUN_BY_THEIR_OWN_TEST[step.typed]}")
     if step.block.kind == "console":
         run_transcript(reader, console_transcript(step.block), where)
     elif step.block.kind == "python":
