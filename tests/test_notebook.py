@@ -137,26 +137,41 @@ def test_a_mistake_in_a_notebook_shows_the_command_lines_one_line(user, tmp_path
     [error] = [output for output in notebook.cells[0].outputs if output.output_type == "error"]
     assert error.ename == "ConfigError"
     # No traceback through the framework: the line the command line prints (which error.line is, as
-    # test_run_from_a_script_prints_each_epoch_and_returns_the_run checks), taken in this process.
+    # test_the_docs_run_from_a_script_prints_each_epoch_and_returns_the_run checks), taken in this process.
     with pytest.raises(ConfigError) as refused:
         run(["lr=-1", f"paths.output_dir={tmp_path}"])
     assert error.traceback == [refused.value.line]
 
 
+# docs/notebook.md's Training and Errors blocks, which test_readme leaves to the test below.
+DOCS_RUN = """import framework
+
+result = framework.run(["name=quickstart", "trainer.max_epochs=2"])  # the config `python run.py ...` builds
+print(result["val/acc"], result.run_dir, result.best_checkpoint)
+model = framework.load_model(result.best_checkpoint)"""
+DOCS_ERROR = """import framework
+from framework.errors import RunlabError
+
+try:
+    framework.run(["lr=-1"])
+except RunlabError as error:
+    print(error.line)  # what `python run.py lr=-1` prints"""
+
+
 @pytest.mark.timeout(180)
-def test_run_from_a_script_prints_each_epoch_and_returns_the_run(user, cli):
-    # Then a mistake, in the same script (one process start fewer): it raises the error whose line the command line prints.
-    script = ("import framework\nresult = framework.run(['trainer.max_epochs=2', 'model.width=32'])\n"
-              "print('RESULT', result['val/acc'], result.run_dir, result.best_checkpoint, result.last_checkpoint)\n"
-              "try:\n    framework.run(['lr=-1'])\nexcept framework.errors.ConfigError as error:\n    print(error.line)")
+def test_the_docs_run_from_a_script_prints_each_epoch_and_returns_the_run(user, cli):
+    # The two blocks verbatim, in one script (one process start fewer), and then the last checkpoint.
+    page = (user.repo / "docs" / "notebook.md").read_text()
+    assert all(f"```python\n{block}\n```" in page for block in (DOCS_RUN, DOCS_ERROR))
+    script = f"{DOCS_RUN}\n{DOCS_ERROR}\nprint(result.last_checkpoint)"
     done = user.run(f"python -c {shlex.quote(script)}")
     assert done.returncode == 0, done.stderr[-2000:]
-    (run_dir,) = user.runs("train")  # the refused run leaves no dir of its own
+    (run_dir,) = user.runs("quickstart")  # the refused run leaves no dir of its own
     assert [line for line in done.stdout.splitlines() if "] - epoch " in line][-1].split(" - ")[1].startswith("epoch 2 ")
-    *_, result, refused = done.stdout.splitlines()
-    _, val_acc, *paths = result.split()
+    *_, result, refused, last = done.stdout.splitlines()
+    val_acc, *paths = result.split()
     assert float(val_acc) == read_metrics(run_dir)["val/acc"]
-    assert paths == [str(run_dir), str(run_dir / "checkpoints" / "best.pt"), str(run_dir / "checkpoints" / "last.pt")]
+    assert [*paths, last] == [str(run_dir), str(run_dir / "checkpoints" / "best.pt"), str(run_dir / "checkpoints" / "last.pt")]
     assert refused == one_line_error(cli("lr=-1"))
 
 

@@ -36,12 +36,17 @@ import pytest
 import yaml
 
 from conftest import REPO, UserShell, copy_repository, read_metrics
+from test_notebook import DOCS_ERROR, DOCS_RUN
 from test_parallel import DOCS_DDP_SWEEP
 
 # Steps (a command as typed, or a console or python block's whole text: Step.typed) that a test of
 # their own runs verbatim in a fresh copy, and checks further: not run twice (nothing later on the
 # pages reads their outputs).
-RUN_BY_THEIR_OWN_TEST = {DOCS_DDP_SWEEP: "tests/test_parallel.py::test_the_docs_ddp_sweep_gives_one_complete_run_dir_per_job"}
+RUN_BY_THEIR_OWN_TEST = {
+    DOCS_DDP_SWEEP: "tests/test_parallel.py::test_the_docs_ddp_sweep_gives_one_complete_run_dir_per_job",
+    DOCS_RUN: "tests/test_notebook.py::test_the_docs_run_from_a_script_prints_each_epoch_and_returns_the_run",
+    DOCS_ERROR: "tests/test_notebook.py::test_the_docs_run_from_a_script_prints_each_epoch_and_returns_the_run",
+}
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 SERVING = re.compile(r"TensorBoard \S+ at (http://\S+/) ")
