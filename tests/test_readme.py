@@ -37,7 +37,12 @@ import yaml
 
 from conftest import REPO, UserShell, copy_repository, read_metrics
 from test_notebook import DOCS_ERROR, DOCS_RUN
+from test_multirun_summary import DOCS_GRID
 from test_parallel import DOCS_DDP_SWEEP
+from test_search import (DOCS_BEST, DOCS_EXPORT, DOCS_EXPORTED_BEST, DOCS_RANDOM, DOCS_REPORT, DOCS_TPE,
+                         DOCS_TPE_RESUMED, DOCS_TWO_OBJECTIVES)
+from test_sweep_scheduling import DOCS_LR_ONLY, DOCS_NARROW_LR
+from test_transfer import DOCS_FINETUNE, DOCS_LOAD, DOCS_SCRATCH
 
 # Steps (a command as typed, or a console or python block's whole text: Step.typed) that a test of
 # their own runs verbatim in a fresh copy, and checks further: not run twice (nothing later on the
@@ -46,6 +51,19 @@ RUN_BY_THEIR_OWN_TEST = {
     DOCS_DDP_SWEEP: "tests/test_parallel.py::test_the_docs_ddp_sweep_gives_one_complete_run_dir_per_job",
     DOCS_RUN: "tests/test_notebook.py::test_the_docs_run_from_a_script_prints_each_epoch_and_returns_the_run",
     DOCS_ERROR: "tests/test_notebook.py::test_the_docs_run_from_a_script_prints_each_epoch_and_returns_the_run",
+    **dict.fromkeys([DOCS_FINETUNE, DOCS_SCRATCH, DOCS_LOAD],
+                    "tests/test_transfer.py::test_the_example_pair_beats_the_same_budget_from_scratch_by_5_points_as_a_user_types_it"),
+    DOCS_GRID: "tests/test_multirun_summary.py::test_the_docs_grid_ends_with_its_jobs_and_the_best_one",
+    DOCS_RANDOM: "tests/test_search.py::test_the_docs_random_sweep_runs_n_trials_and_writes_its_report",
+    DOCS_TPE: "tests/test_search.py::test_the_docs_tpe_study_resumes_reports_and_its_best_trial_reproduces_the_best_value",
+    DOCS_TPE_RESUMED: "tests/test_search.py::test_the_docs_tpe_study_resumes_reports_and_its_best_trial_reproduces_the_best_value",
+    DOCS_REPORT: "tests/test_search.py::test_the_docs_tpe_study_resumes_reports_and_its_best_trial_reproduces_the_best_value",
+    DOCS_BEST: "tests/test_search.py::test_the_docs_tpe_study_resumes_reports_and_its_best_trial_reproduces_the_best_value",
+    DOCS_EXPORT: "tests/test_search.py::test_the_docs_tpe_study_resumes_reports_and_its_best_trial_reproduces_the_best_value",
+    DOCS_EXPORTED_BEST: "tests/test_search.py::test_the_docs_tpe_study_resumes_reports_and_its_best_trial_reproduces_the_best_value",
+    DOCS_TWO_OBJECTIVES: "tests/test_search.py::test_the_docs_in_memory_sweep_of_two_objectives_reports_its_pareto_front",
+    DOCS_NARROW_LR: "tests/test_sweep_scheduling.py::test_the_docs_spaces_make_their_studies_and_the_same_command_with_another_space_is_refused_in_one_line",
+    DOCS_LR_ONLY: "tests/test_sweep_scheduling.py::test_the_docs_spaces_make_their_studies_and_the_same_command_with_another_space_is_refused_in_one_line",
 }
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)

@@ -1,6 +1,7 @@
 """Fine-tuning (finetune.*), task=eval and task=export, and refusing files that would run code."""
 import json
 import os
+import shlex
 import stat
 import subprocess
 import sys
@@ -102,16 +103,31 @@ def test_a_model_without_head_name_needs_finetune_head_when_the_labels_change(tr
     assert torch.equal(before["net.1.weight"], after["net.1.weight"]) and not torch.equal(before["net.3.weight"], after["net.3.weight"])
 
 
+# docs/finetune.md's fine-tuning and from-scratch commands, and the block that loads the result, which
+# test_readme leaves to the test below (the page's first command, the pretraining, stays a README step).
+DOCS_FINETUNE = 'python run.py experiment=digits_finetune'
+DOCS_SCRATCH = 'python run.py experiment=digits_finetune finetune.from="" "finetune.freeze=[]"'
+DOCS_LOAD = """import framework
+
+model = framework.load_model("outputs/digits_finetune")  # its latest run's best.pt
+print(model.classes)  # ['1', '3', '5', '7', '9']: the label of each output"""
+
+
 def test_the_example_pair_beats_the_same_budget_from_scratch_by_5_points_as_a_user_types_it(user):
-    """The two commands of experiments/digits_finetune.yaml's comment, verbatim, at the default seed:
-    fine-tuning (which runs digits_pretrain first, as there is none yet), then the same budget from
-    scratch. benchmarks/transfer_vs_scratch.py gives the gain over 10 seeds."""
+    """The two commands of experiments/digits_finetune.yaml's comment (and of docs/finetune.md), verbatim,
+    at the default seed: fine-tuning (which runs digits_pretrain first, as there is none yet), then the
+    same budget from scratch, then the page's load of the latest. benchmarks/transfer_vs_scratch.py gives
+    the gain over 10 seeds."""
     example = (user.repo / "experiments" / "digits_finetune.yaml").read_text()
     commands = [line.lstrip("#").strip() for line in example.splitlines() if line.startswith("#   python run.py")]
-    assert len(commands) == 2 and 'finetune.from=""' in commands[1], commands
+    assert commands == [DOCS_FINETUNE, DOCS_SCRATCH]
+    page = (user.repo / "docs" / "finetune.md").read_text()
+    assert f"\n{DOCS_FINETUNE}\n{DOCS_SCRATCH}\n" in page and f"```python\n{DOCS_LOAD}\n```" in page
     for command in commands:
         done = user.run(command, timeout=400)
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    loaded = user.run(f"python -c {shlex.quote(DOCS_LOAD)}")
+    assert loaded.stdout.splitlines()[-1] == "['1', '3', '5', '7', '9']", loaded.stderr[-3000:]
     assert len(user.runs("digits_pretrain")) == 1
     tuned_dir, scratch_dir = user.runs("digits_finetune")
     tuned, scratch = read_metrics(tuned_dir), read_metrics(scratch_dir)
