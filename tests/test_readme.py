@@ -37,6 +37,7 @@ import yaml
 
 from conftest import REPO, UserShell, copy_repository, read_metrics
 from test_notebook import DOCS_ERROR, DOCS_RUN
+from test_examples import DOCS_CHAR_LM, DOCS_DIABETES, README_OWN_DATA, README_WAVES
 from test_multirun_summary import DOCS_GRID
 from test_parallel import DOCS_DDP_SWEEP
 from test_search import (DOCS_BEST, DOCS_EXPORT, DOCS_EXPORTED_BEST, DOCS_RANDOM, DOCS_REPORT, DOCS_TPE,
@@ -64,6 +65,9 @@ RUN_BY_THEIR_OWN_TEST = {
     DOCS_TWO_OBJECTIVES: "tests/test_search.py::test_the_docs_in_memory_sweep_of_two_objectives_reports_its_pareto_front",
     DOCS_NARROW_LR: "tests/test_sweep_scheduling.py::test_the_docs_spaces_make_their_studies_and_the_same_command_with_another_space_is_refused_in_one_line",
     DOCS_LR_ONLY: "tests/test_sweep_scheduling.py::test_the_docs_spaces_make_their_studies_and_the_same_command_with_another_space_is_refused_in_one_line",
+    **dict.fromkeys([DOCS_DIABETES, DOCS_CHAR_LM, README_WAVES],
+                    "tests/test_examples.py::test_an_example_trains_and_resumes_exactly_after_an_interruption"),
+    README_OWN_DATA: "tests/test_examples.py::test_the_readmes_own_dataset_model_and_loss_train_under_ddp_as_in_one_process",
 }
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
