@@ -1,5 +1,6 @@
-"""Image folders (data=imagefolder), trained as a user types it, and plain state dicts as finetune.from
-(the real torchvision and timm models: tests/test_vision.py)."""
+"""Image folders (data=imagefolder), trained, exported and the export's outputs mapped to labels, and plain
+state dicts as finetune.from (the real torchvision and timm models: tests/test_vision.py). In-process:
+tests/test_readme.py types docs/data.md's image-folder run and the README's export."""
 import json
 import re
 import stat
@@ -33,19 +34,18 @@ def write_digit_pngs(root: Path, digits, per_class: int, size: int = 32, splits=
     return root
 
 
-def test_an_image_folder_trains_and_its_export_maps_outputs_to_labels(user, tmp_path):
+def test_an_image_folder_trains_and_its_export_maps_outputs_to_labels(tmp_path):
     root = write_digit_pngs(tmp_path / "images", (0, 1, 7), per_class=20, splits=("train", "val", "test"))
-    transforms = "data.transforms.resize=12 data.transforms.crop=10 'data.transforms.mean=[0.5,0.5,0.5]' 'data.transforms.std=[0.5,0.5,0.5]'"
-    trained = user.run(f"python run.py data=imagefolder data.root={root} {transforms} model=cnn lr=3e-3 batch_size=20 "
-                       f"trainer.max_epochs=15 {QUIET}")
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    run_dir = user.runs("train")[-1]
-    assert "60 train / 60 val samples" in trained.stdout
+    transforms = ["data.transforms.resize=12", "data.transforms.crop=10", "data.transforms.mean=[0.5,0.5,0.5]",
+                  "data.transforms.std=[0.5,0.5,0.5]"]
+    outputs = tmp_path / "outputs"
+    run_dir = run(["data=imagefolder", f"data.root={root}", *transforms, "model=cnn", "lr=3e-3", "batch_size=20",
+                   "trainer.max_epochs=15", *QUIET.split(), f"paths.output_dir={outputs}"]).run_dir
+    assert "60 train / 60 val samples" in (run_dir / "train.log").read_text()
     assert load_checkpoint(run_dir / "checkpoints" / "best.pt")["classes"] == ["one", "seven", "zero"]
     assert read_metrics(run_dir)["test/acc"] >= 0.8
 
-    # Exported in this process (one process start fewer; tests/test_readme.py types the README's task=export).
-    exported = run(["task=export", f"ckpt={user.outputs / 'train'}", f"paths.output_dir={user.outputs}"]).run_dir
+    exported = run(["task=export", f"ckpt={outputs / 'train'}", f"paths.output_dir={outputs}"]).run_dir
     said = (exported / "train.log").read_text()
     assert re.search(r"equal the original's \(max abs diff: weights 0, program 0\)\.$", said, re.M), said
     artifact = exported / "artifact"
