@@ -35,6 +35,7 @@ from framework.model import MLP
 from framework.parallel import mode
 from framework.parallel.pipeline import Pipeline, balanced_boundaries, check_boundaries, stage_boundaries
 from parallel_models import TwoBranch
+from test_logging import read_events
 
 # Two short epochs of 9 steps, every step logged, so losses can be compared step by step.
 EXACT = ["trainer.max_epochs=2", "batch_size=128", "logger=csv", "trainer.log_every_n_steps=1"]
@@ -271,16 +272,23 @@ def test_two_torchrun_nodes_on_localhost_equal_one_device_in_one_run_dir(referen
 
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("source_tree_stays_clean")
-def test_a_slurm_job_of_two_tasks_is_one_ddp_run_of_two_ranks(reference, user):
+def test_a_slurm_job_of_two_tasks_is_one_fsdp_run_of_two_ranks(reference, user):
     # launcher=slurm with submitit's local executor: the job's two tasks are ranks 0 and 1, as on SLURM.
+    # fsdp launches through ddp's own code (FSDP.launch is DDP.launch after its checks), so this job
+    # covers a ddp job of tasks too; ddp's own wrapping is tested above.
     done = user.run(shlex.join(["python", "run.py", "launcher=slurm", "hydra.launcher.cluster=local",
-                                "hydra.launcher.tasks_per_node=2", "parallel=ddp", *SHRINK, *EXACT]), timeout=200)
+                                "hydra.launcher.tasks_per_node=2", "parallel=fsdp", *SHRINK, *EXACT]), timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
     (run_dir,) = user.outputs.glob("train/multirun/*/0")
     assert [p.name for p in run_dir.parent.iterdir() if p.is_dir() and not p.name.startswith(".")] == ["0"]
     log = (run_dir / "train.log").read_text()
-    assert "rank 0 of 2 joined the group" in log and "rank 1 of 2 joined the group" in log
+    assert "parallel=fsdp: rank 0 of 2 joined the group" in log and "parallel=fsdp: rank 1 of 2 joined the group" in log
     assert_same_training(run_dir, reference, tolerance=1e-5)
+    # The job ends as any run on the cluster does: with its result (rank 0's) and its run dir.
+    last = done.stdout.splitlines()[-1]
+    assert last.startswith(f"Best job #0: val/acc {read_metrics(run_dir)['val/acc']:.4g} with ")
+    assert last.endswith(f"its run dir: {run_dir.relative_to(user.repo)}")
+    assert [path.name for path in (run_dir.parent / ".submitit").iterdir() if "%" in path.name] == []
 
 
 def free_port() -> int:
@@ -290,20 +298,26 @@ def free_port() -> int:
 
 
 # docs/parallelism.md's command, which tests/test_readme.py leaves to this test.
-DOCS_DDP_SWEEP = "python run.py -m parallel=ddp lr=1e-3,1e-4 trainer.max_steps=5"
+DOCS_DDP_SWEEP = "python run.py -m parallel=ddp,fsdp trainer.max_steps=5"
+SAME_UNDER_EITHER = ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc", "step")
 
 
 @pytest.mark.timeout(240)
 def test_the_docs_ddp_sweep_gives_one_complete_run_dir_per_job(user):
+    # The jobs run one after the other in the sweep's process, each spawning its own processes.
     assert f"\n{DOCS_DDP_SWEEP}    #" in (REPO / "docs" / "parallelism.md").read_text()
     done = user.run(DOCS_DDP_SWEEP, timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
     jobs = sorted(p for p in (user.outputs / "train" / "multirun").glob("*/*") if p.is_dir())
     assert [p.name for p in jobs] == ["0", "1"]
-    for job in jobs:
-        for name in (".hydra/config.yaml", "train.log", "metrics.json", "checkpoints/last.pt", "tensorboard"):
-            assert (job / name).exists(), job / name
-    assert read_metrics(jobs[0])["train/loss"] != read_metrics(jobs[1])["train/loss"]  # lr differed
+    for job, name, traced in zip(jobs, ("ddp", "fsdp"), (True, False)):
+        for path in (".hydra/config.yaml", "train.log", "metrics.json", "checkpoints/last.pt", "tensorboard"):
+            assert (job / path).exists(), job / path
+        assert f"parallel={name}: starting 2 processes" in (job / "train.log").read_text()
+        # What the job's processes did, not only what its config said: fsdp's trace no graph for TensorBoard.
+        assert read_events(job).Tags()["graph"] == traced
+    ddp, fsdp = ({key: read_metrics(job)[key] for key in SAME_UNDER_EITHER} for job in jobs)
+    assert fsdp == pytest.approx(ddp, abs=1e-5)  # the same 5 steps, each equal to parallel=none's
 
 
 @pytest.mark.timeout(300)
