@@ -1,10 +1,11 @@
 """Every multirun ends with a table of its jobs and its best job (framework/search/summary.py), whatever
-its sweeper: the card's own `python run.py -m lr=1e-3,1e-4` included."""
+its sweeper: a grid from the command line (docs/search.md's, as typed) included."""
 import csv
 
 import yaml
 
 from conftest import read_metrics
+from test_search import assert_on_the_page
 
 QUICK = ["trainer.max_epochs=2", "trainer.progress_bar=false", "logger=csv", "model.width=32"]
 
@@ -14,24 +15,32 @@ def jobs_table(sweep_dir):
         return list(csv.DictReader(handle))
 
 
-def test_the_cards_grid_ends_with_its_jobs_and_the_best_one(cli, user, monkeypatch, capsys):
-    result = cli("-m", "lr=1e-3,1e-4", *QUICK)
+# docs/search.md's grid from the command line, which tests/test_readme.py leaves to the test below.
+DOCS_GRID = "python run.py -m lr=1e-3,1e-4 model.width=64,128 trainer.max_epochs=2"
+
+
+def test_the_docs_grid_ends_with_its_jobs_and_the_best_one(user, monkeypatch, capsys):
+    assert_on_the_page("docs/search.md", DOCS_GRID)
+    result = user.run(DOCS_GRID)
     assert result.returncode == 0, result.stderr[-2000:]
     (sweep_dir,) = (user.outputs / "train" / "multirun").iterdir()
-    for job, lr in (("0", 1e-3), ("1", 1e-4)):  # one complete run per value
-        assert yaml.safe_load((sweep_dir / job / ".hydra" / "config.yaml").read_text())["lr"] == lr
+    jobs = [str(job) for job in range(4)]
+    grid = [(1e-3, 64), (1e-3, 128), (1e-4, 64), (1e-4, 128)]
+    for job, (lr, width) in zip(jobs, grid):  # one complete run per combination
+        config = yaml.safe_load((sweep_dir / job / ".hydra" / "config.yaml").read_text())
+        assert (config["lr"], config["model"]["width"]) == (lr, width)
         assert all((sweep_dir / job / name).is_file() for name in ("metrics.json", "train.log", "checkpoints/last.pt"))
     rows = jobs_table(sweep_dir)
-    assert [(row["job"], row["overrides"], row["status"]) for row in rows] == [("0", "lr=0.001", "COMPLETE"),
-                                                                            ("1", "lr=0.0001", "COMPLETE")]
+    assert [(row["job"], row["overrides"], row["status"]) for row in rows] == [
+        (job, f"lr={lr} model.width={width}", "COMPLETE") for job, (lr, width) in zip(jobs, grid)]
     scores = [float(row["val/acc"]) for row in rows]
-    assert scores == [read_metrics(sweep_dir / job)["val/acc"] for job in ("0", "1")]
-    assert [int(row["best epoch"]) for row in rows] == [read_metrics(sweep_dir / job)["best_epoch"] for job in ("0", "1")]
-    best = max(range(2), key=scores.__getitem__)
+    assert scores == [read_metrics(sweep_dir / job)["val/acc"] for job in jobs]
+    assert [int(row["best epoch"]) for row in rows] == [read_metrics(sweep_dir / job)["best_epoch"] for job in jobs]
+    best = max(range(4), key=scores.__getitem__)
     lines = result.stdout.splitlines()
     assert lines[-1] == (f"Best job #{best}: val/acc {scores[best]:.4g} with {rows[best]['overrides']}; its run dir: "
                          f"{(sweep_dir / str(best)).relative_to(user.repo)}")
-    assert lines[-4].split() == ["job", "overrides", "val/acc", "best", "epoch", "status"]
+    assert lines[-6].split() == ["job", "overrides", "val/acc", "best", "epoch", "status"]
     # The report reads any multirun dir, not only a study's (in-process: test_search.py types
     # python -m framework.search.report on a study's dir).
     from framework.search.report import main as report

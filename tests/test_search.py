@@ -1,4 +1,5 @@
-"""Sweeps end to end: real `python run.py` multiruns of tiny digits runs, typed in a fresh copy of the repository."""
+"""Sweeps end to end: real `python run.py` multiruns of tiny digits runs (docs/search.md's own commands where the
+page has one), typed in a fresh copy of the repository."""
 from __future__ import annotations
 
 import contextlib
@@ -84,9 +85,32 @@ def test_a_sweeper_setting_of_the_wrong_type_is_one_line(cli):
                    "converted to Integer."
 
 
+# docs/search.md's steps that tests/test_readme.py leaves to the tests below: each runs them verbatim, in
+# the page's order where a step reads what the one before left (the TPE study, its report, its best trial).
+DOCS_RANDOM = "python run.py search=random hydra.sweeper.n_trials=2 trainer.max_epochs=2"
+DOCS_TPE = "python run.py search=tpe hydra.sweeper.n_trials=3 trainer.max_epochs=2"
+DOCS_TPE_RESUMED = "python run.py search=tpe hydra.sweeper.n_trials=4 trainer.max_epochs=2"
+DOCS_REPORT = "python -m framework.search.report outputs/train/multirun/train_tpe"
+DOCS_BEST = "python run.py --config-dir outputs/train/multirun/train_tpe experiment=best"
+DOCS_EXPORT = "python run.py search=tpe hydra.sweeper.n_trials=4 trainer.max_epochs=2 hydra.sweeper.export_dir=experiments"
+DOCS_EXPORTED_BEST = "python run.py experiment=train_tpe_best"
+DOCS_TWO_OBJECTIVES = """$ python run.py search=random 'optimized_metric=[val/acc,val/loss]' 'hydra.sweeper.direction=[maximize,minimize]' hydra.sweeper.storage=null hydra.sweeper.study_name=two_objectives hydra.sweeper.n_trials=3 trainer.max_epochs=2
+...hydra.sweeper.storage is null: the study lives in memory only, so this sweep cannot be resumed...
+Pareto front (...
+number  state ... val/acc  val/loss  seconds ...
+Trial #... as an experiment: python run.py --config-dir outputs/train/multirun/two_objectives experiment=best_..."""
+
+
+def assert_on_the_page(page: str, *commands: str) -> None:
+    """Each command is still a line of the page, as typed (its comment aside)."""
+    lines = [line.split(" #")[0].strip() for line in (REPO / page).read_text().splitlines()]
+    assert all(command in lines for command in commands), [c for c in commands if c not in lines]
+
+
 @pytest.mark.timeout(240)
-def test_random_sweep_runs_n_trials_and_writes_its_report(cli, user):
-    result = sweep(cli, "search=random", "hydra.sweeper.n_trials=2", "hydra.sweeper.export_dir=experiments")
+def test_the_docs_random_sweep_runs_n_trials_and_writes_its_report(user):
+    assert_on_the_page("docs/search.md", DOCS_RANDOM)
+    result = user.run(DOCS_RANDOM)
     assert result.returncode == 0, result.stderr[-2000:]
     directory = sweep_dir(user, "train_random")
     rows = trials_table(directory)
@@ -99,37 +123,54 @@ def test_random_sweep_runs_n_trials_and_writes_its_report(cli, user):
     best = max(rows, key=lambda row: float(row["value"]))
     assert results.name == "optuna" and results.best_value == float(best["value"])
     assert results.best_params["lr"] == float(best["lr"])
-    # Writing into experiments/ is opt-in (hydra.sweeper.export_dir); nothing else left the sweep dir.
-    assert user.source_changes() == "?? experiments/train_random_best.yaml\n"
-    exported = user.repo / "experiments" / "train_random_best.yaml"
-    assert exported.read_text() == (directory / "experiment" / "best.yaml").read_text()
-    exported.unlink()
-    # On demand, from the study alone (as for a sweep still running):
-    (directory / "trials.csv").unlink()
-    report = user.run("python -m framework.search.report outputs/train/multirun/train_random", timeout=120)
-    assert report.returncode == 0, report.stderr[-2000:]
-    assert trials_table(directory) == rows and "Best trial #" in report.stdout
+    # Nothing left the sweep dir: source_tree_stays_clean (export_dir is opt-in: the TPE test below).
 
 
-@pytest.mark.timeout(300)
-def test_tpe_sweep_report_and_best_experiment_reproduces_the_best_value(cli, user):
+@pytest.mark.timeout(400)
+def test_the_docs_tpe_study_resumes_reports_and_its_best_trial_reproduces_the_best_value(user):
+    assert_on_the_page("docs/search.md", DOCS_TPE, DOCS_TPE_RESUMED, DOCS_REPORT, DOCS_BEST, DOCS_EXPORT,
+                       DOCS_EXPORTED_BEST)
     # 3 trials: the fewest the report plots parameter importances for.
-    result = sweep(cli, "search=tpe", "hydra.sweeper.n_trials=3", "logger=tensorboard")
-    assert result.returncode == 0, result.stderr[-2000:]
+    first = user.run(DOCS_TPE)
+    assert first.returncode == 0, first.stderr[-2000:]
     directory = sweep_dir(user, "train_tpe")
     for name in ("trials.csv", "optimization_history.png", "parallel_coordinates.png", "param_importances.png",
                  "experiment/best.yaml", "optimization_results.yaml"):
         assert (directory / name).stat().st_size > 0, name
-    rows = trials_table(directory)
-    assert len(rows) == 3 and all(row["state"] == "COMPLETE" for row in rows)
-    best = max(rows, key=lambda row: float(row["value"]))
-    hint = "python run.py --config-dir outputs/train/multirun/train_tpe experiment=best"
-    assert hint in result.stdout
+    assert [row["state"] for row in trials_table(directory)] == ["COMPLETE"] * 3
+    assert DOCS_BEST in first.stdout  # the sweep's own hint is the page's next step
+    params_before = study_params(directory)
 
-    again = user.run(hint)
+    resumed = user.run(DOCS_TPE_RESUMED)  # one more trial, a new configuration; the first three kept
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    rows = trials_table(directory)
+    assert [row["state"] for row in rows] == ["COMPLETE"] * 4
+    params_after = study_params(directory)
+    assert {n: params_after[n] for n in params_before} == params_before and len(set(params_after.values())) == 4
+
+    (directory / "trials.csv").unlink()  # the report on demand comes from the study alone (as for a running sweep)
+    report = user.run(DOCS_REPORT)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert trials_table(directory) == rows and "Best trial #" in report.stdout
+
+    best = float(max(rows, key=lambda row: float(row["value"]))["value"])
+    again = user.run(DOCS_BEST)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert read_metrics(user.runs("train")[-1])["val/acc"] == pytest.approx(float(best["value"]), abs=1e-9)
+    assert read_metrics(user.runs("train")[-1])["val/acc"] == pytest.approx(best, abs=1e-9)
     assert_every_trial_in_hparams_tab(directory, rows)
+
+    # The finished study again: no trial runs; writing into experiments/ is opt-in (hydra.sweeper.export_dir).
+    exported_run = user.run(DOCS_EXPORT)
+    assert exported_run.returncode == 0, exported_run.stderr[-2000:]
+    assert trials_table(directory) == rows and len(study_states(directory)) == 4
+    assert user.source_changes() == "?? experiments/train_tpe_best.yaml\n"  # nothing else left the sweep dir
+    exported = user.repo / "experiments" / "train_tpe_best.yaml"
+    assert exported.read_text() == (directory / "experiment" / "best.yaml").read_text()
+    from_experiments = user.run(DOCS_EXPORTED_BEST)
+    assert from_experiments.returncode == 0, from_experiments.stderr[-2000:]
+    assert len(user.runs("train")) == 2
+    assert read_metrics(user.runs("train")[-1])["val/acc"] == pytest.approx(best, abs=1e-9)
+    exported.unlink()  # the copy's source tree is then clean again (source_tree_stays_clean)
 
 
 def assert_every_trial_in_hparams_tab(directory: Path, rows) -> None:
@@ -188,12 +229,18 @@ def test_failing_trials_are_recorded_failed_and_too_many_stop_the_sweep(cli, use
 
 
 @pytest.mark.timeout(300)
-def test_an_in_memory_sweep_of_two_objectives_reports_its_pareto_front(cli, user):
-    result = sweep(cli, "search=random", "hydra.sweeper.n_trials=3", "hydra.sweeper.storage=null",
-                   "optimized_metric=[val/acc,val/loss]", "hydra.sweeper.direction=[maximize,minimize]")
-    assert result.returncode == 0, result.stderr[-2000:]
+def test_the_docs_in_memory_sweep_of_two_objectives_reports_its_pareto_front(user):
+    # Imported here: tests/test_readme.py imports this module's commands.
+    from test_readme import Block, assert_shown_lines_appear, console_transcript
+
+    assert f"```console\n{DOCS_TWO_OBJECTIVES}\n```" in (REPO / "docs" / "search.md").read_text()
+    transcript = console_transcript(Block("console", DOCS_TWO_OBJECTIVES, 0, "docs/search.md"))
+    (command,), (shown,) = transcript.commands, transcript.outputs
+    result = user.run(f"{command} 2>&1")  # as the page shows it: one terminal
+    assert result.returncode == 0, result.stdout[-2000:]
+    assert_shown_lines_appear(shown, result.stdout, command, "docs/search.md")
     assert "the study lives in memory only, so this sweep cannot be resumed" in result.stdout
-    directory = sweep_dir(user, "train_random")
+    directory = sweep_dir(user, "two_objectives")
     assert not (directory / "study.db").exists()
     rows = trials_table(directory)
     assert [row["state"] for row in rows] == ["COMPLETE"] * 3

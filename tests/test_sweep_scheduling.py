@@ -17,6 +17,7 @@ from framework.errors import ConfigError
 from framework.search.slots import TrialSlots
 from framework.search.study import STOPPED, load_sweep_study
 from framework.search.sweeper import StudySweeper, SweepError
+from test_search import assert_on_the_page
 
 
 class ScriptedSlots(TrialSlots):
@@ -215,12 +216,31 @@ def test_a_stored_study_continues_with_more_trials_and_a_space_swept_on_the_comm
         wider.sweep(["batch_size=choice(32,64)"])
 
 
-def test_the_same_command_with_another_space_is_refused_in_one_line(cli):
-    """The user's path: the default study_name (name_random) found again by a changed command."""
-    first = cli("search=random", "hydra.sweeper.n_trials=1", "trainer.max_epochs=1", "trainer.progress_bar=false")
-    assert first.returncode == 0, first.stderr[-3000:]
-    line = one_line_error(cli("search=random", "hydra.sweeper.n_trials=2", "trainer.max_epochs=1",
-                              "lr=tag(log, interval(1e-3, 1e-1))"), 2)
-    assert "the stored study 'train_random' was made for another sweep (lr LogUniform(low=0.0001, high=0.03) there, " \
-           "LogUniform(low=0.001, high=0.1) here)" in line
+# docs/search.md's spaces of one's own, which tests/test_readme.py leaves to the test below.
+DOCS_NARROW_LR = ("python run.py search=random \"hydra.sweeper.params.lr='interval(1e-4,1e-2)'\" "
+                  "hydra.sweeper.study_name=narrow_lr hydra.sweeper.n_trials=1 trainer.max_epochs=2")
+DOCS_LR_ONLY = ("python run.py search=random '~hydra.sweeper.params' 'lr=tag(log, interval(1e-4, 1e-2))' "
+                "hydra.sweeper.study_name=lr_only hydra.sweeper.n_trials=2 trainer.max_epochs=2")
+
+
+@pytest.mark.timeout(300)
+def test_the_docs_spaces_make_their_studies_and_the_same_command_with_another_space_is_refused_in_one_line(user):
+    """The user's path: the docs' commands verbatim, then the first one typed again with a changed space."""
+    assert_on_the_page("docs/search.md", DOCS_NARROW_LR, DOCS_LR_ONLY)
+    for command in (DOCS_NARROW_LR, DOCS_LR_ONLY):
+        done = user.run(command)
+        assert done.returncode == 0, done.stderr[-3000:]
+    multirun = user.outputs / "train" / "multirun"
+    # One entry changed (the quotes make it a string for Hydra), the rest of the shipped space kept:
+    (narrow,) = load_sweep_study(multirun / "narrow_lr").trials
+    assert narrow.state.name == "COMPLETE" and narrow.distributions["lr"] == optuna.distributions.UniformDistribution(1e-4, 1e-2)
+    assert set(narrow.distributions) == {"lr", "batch_size", "model.width", "model.depth", "optimizer.weight_decay"}
+    # The whole space replaced by the command line's sweep:
+    lr_only = load_sweep_study(multirun / "lr_only").trials
+    assert [t.state.name for t in lr_only] == ["COMPLETE"] * 2
+    assert all(t.distributions == {"lr": optuna.distributions.LogUniformDistribution(1e-4, 1e-2)} for t in lr_only)
+    changed = DOCS_NARROW_LR.replace("interval(1e-4,1e-2)", "interval(1e-3,1e-1)").replace("n_trials=1", "n_trials=2")
+    line = one_line_error(user.run(changed), 2)
+    assert "the stored study 'narrow_lr' was made for another sweep (lr Uniform(low=0.0001, high=0.01) there, " \
+           "Uniform(low=0.001, high=0.1) here)" in line
     assert "another hydra.sweeper.study_name" in line
