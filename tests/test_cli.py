@@ -7,6 +7,7 @@ import torch
 from conftest import one_line_error, write_csv_without_label
 from framework.entry import HydraReportsAgain, cli as cli_entry, run
 from framework.errors import CheckpointError, ConfigError
+from test_faults import typed_as_shown
 
 QUICK = ["trainer.max_steps=2", "trainer.progress_bar=false", "logger=none", "model.width=16"]
 
@@ -43,8 +44,16 @@ def test_a_default_run_imports_neither_torchmetrics_nor_torchvision(user):
     assert "torch" in imported and not imported & {"torchmetrics", "torchvision", "scipy.signal", "matplotlib"}
 
 
-def test_a_bad_value_stops_with_one_line_and_exit_code_2(cli):
-    line = one_line_error(cli("lr=-1"))
+# docs/config.md's refused value, which tests/test_readme.py leaves to the test below.
+DOCS_REFUSED = """$ python run.py lr=-1
+runlab: error: lr=-1.0 is invalid; the learning rate must be a positive number.
+$ echo $?
+2"""
+
+
+def test_a_bad_value_stops_with_one_line_and_exit_code_2(user):
+    (typed,) = typed_as_shown(user, DOCS_REFUSED, "docs/config.md")
+    line = one_line_error(typed)
     assert "lr=-1.0 is invalid" in line and "positive" in line
 
 

@@ -7,7 +7,6 @@ something goes wrong").
 """
 from __future__ import annotations
 
-import csv
 import math
 import re
 import shlex
@@ -17,13 +16,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
 import yaml
 
-from conftest import aids_on_path, one_line_error, read_metrics
+from conftest import one_line_error, read_metrics
 from framework.checkpoint import load_checkpoint
 
 QUICK = ["logger=none", "trainer.progress_bar=false"]
@@ -38,11 +37,6 @@ def all_finite(state: Dict[str, torch.Tensor]) -> bool:
     return all(torch.isfinite(tensor).all() for tensor in state.values())
 
 
-def logged_lr(run_dir: Path) -> List[float]:
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        return [float(row["value"]) for row in csv.DictReader(handle) if row["metric"] == "lr" and row["step"].isdigit()]
-
-
 def wait_for(condition, process: subprocess.Popen, log: Path, within: float = 150) -> None:
     deadline = time.monotonic() + within
     while not condition():
@@ -51,8 +45,8 @@ def wait_for(condition, process: subprocess.Popen, log: Path, within: float = 15
 
 
 def trained_in_process(user, *overrides: str) -> None:
-    """The run an earlier command would have left in the user's copy (outputs/train/<date>_<time>/),
-    made in this process (one process start fewer): the command typed after it is what the test is about."""
+    """The run `python run.py OVERRIDES` makes in the user's copy (outputs/<name>/<date>_<time>/), made in
+    this process (one process start fewer): a run before, or a resume after, what the test types."""
     from framework.entry import run
 
     run([*overrides, f"paths.output_dir={user.outputs}"])
@@ -72,21 +66,65 @@ def mount_namespaces_work(user) -> bool:
     return works
 
 
+def docs_console(user, block: str, page: str) -> List[Tuple[str, List[str], Optional[int]]]:
+    """A console ``block`` of ``page``, which tests/test_readme.py leaves to the calling test, as
+    (command, the lines it prints as shown, the exit code `echo $?` shows after it or None)."""
+    from test_readme import Block, console_transcript
+
+    assert f"```console\n{block}\n```" in (user.repo / page).read_text()
+    transcript, steps = console_transcript(Block("console", block, 0, page)), []
+    for command, shown in zip(transcript.commands, transcript.outputs):
+        if command == "echo $?":
+            steps[-1] = (*steps[-1][:2], int(shown[0]))
+        else:
+            steps.append((command, shown, None))
+    return steps
+
+
+def typed_as_shown(user, block: str, page: str) -> List[subprocess.CompletedProcess]:
+    """Each command of a docs console ``block`` typed in the user's copy, printing the lines shown (in
+    order; `...` stands for anything) and exiting as `echo $?` shows; their results, in order."""
+    from test_readme import assert_shown_lines_appear
+
+    results = []
+    for command, shown, exit_code in docs_console(user, block, page):
+        results.append(user.run(command, timeout=500))
+        printed = results[-1].stdout + results[-1].stderr
+        assert_shown_lines_appear(shown, printed, command, page)
+        assert exit_code in (None, results[-1].returncode), printed[-3000:]
+    return results
+
+
 # --- non-finite values -------------------------------------------------------------------------
 
-def test_a_diverging_run_stops_at_the_step_and_keeps_the_last_finite_checkpoints(cli, user):
-    # The lr grows 1e4-fold every epoch: finite for a while, then the loss explodes.
-    result = cli("scheduler=step", "scheduler.step_size=1", "scheduler.gamma=1e4", "trainer.max_epochs=6",
-                 *QUICK)
-    line = one_line_error(result, exit_code=3)
+# docs/training.md's runs that diverge, which tests/test_readme.py leaves to the tests below.
+DOCS_DIVERGED = """$ python run.py lr=1e6 trainer.max_epochs=2
+runlab: error: training diverged at step ... (epoch 1): loss ..., gradient norm .... Likely causes: a learning rate too high ...
+$ echo $?
+3"""
+DOCS_MOSTLY_SKIPPED = """$ python run.py trainer.on_nonfinite=skip lr=1e6 trainer.max_epochs=2
+runlab: error: ... of 38 steps (...%) were skipped as non-finite (trainer.on_nonfinite=skip)...
+$ echo $?
+3"""
+
+
+def test_a_diverging_run_stops_at_the_step_and_keeps_the_last_finite_checkpoints(user, tmp_path, monkeypatch):
+    # As typed, the docs' run diverges in its first epoch, before any checkpoint.
+    (typed,) = typed_as_shown(user, DOCS_DIVERGED, "docs/training.md")
+    line = one_line_error(typed, exit_code=3)
     assert "training diverged at step" in line and "Likely causes: a learning rate too high" in line
-    assert "keeps the last finite state" in line
-    (run_dir,) = user.runs()
+    assert line.endswith("No checkpoint was written before it.")
+    # In-process: the lr grows 1e4-fold every epoch, finite for a while, then the loss explodes.
+    monkeypatch.chdir(tmp_path)  # the checkpoint is named as a command typed there names it
+    run_dir = tmp_path / "run"
+    line = diverged_in_process(run_dir, "scheduler=step", "scheduler.step_size=1", "scheduler.gamma=1e4",
+                               "trainer.max_epochs=6", *QUICK)
+    assert "training diverged at step" in line and "Likely causes: a learning rate too high" in line
     assert not (run_dir / "metrics.json").exists()
     last, best = load_checkpoint(run_dir / "checkpoints/last.pt"), weights(run_dir, "best.pt")
     assert last["epoch"] >= 1 and all_finite(last["model"]) and all_finite(best)
-    assert line.endswith(f"{run_dir.relative_to(user.repo)}/checkpoints/last.pt keeps the last finite state "
-                         f"(epoch {last['epoch']}); resume=auto with a lower lr continues from it.")
+    assert line.endswith(f"run/checkpoints/last.pt keeps the last finite state (epoch {last['epoch']}); resume=auto "
+                         "with a lower lr continues from it.")
 
 
 def test_a_diverging_ddp_run_stops_every_rank_with_one_line(cli, user):
@@ -105,17 +143,17 @@ def skipped_two_steps(run_dir: Path) -> None:
     assert log.count("Skipped step") == 2 and SKIPPED in log
 
 
-def test_skip_drops_the_non_finite_steps_and_counts_them(cli, user):
-    result = cli(FAULTY, "+model.nan_at_steps=[3,7]", "trainer.on_nonfinite=skip", "trainer.max_epochs=1", *QUICK,
-                 env=aids_on_path(user))
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir,) = user.runs()
+def test_skip_drops_the_non_finite_steps_and_counts_them(train, caplog):
+    """In-process (test_a_run_that_skipped_most_of_its_steps_ends_non_zero_in_one_line types a skipping run)."""
+    caplog.set_level("INFO")
+    _, run_dir = train(FAULTY, "+model.nan_at_steps=[3,7]", "trainer.on_nonfinite=skip", "trainer.max_epochs=1",
+                       *QUICK, shrink=False)
     skipped_two_steps(run_dir)
-    assert SKIPPED in result.stdout
+    assert SKIPPED in caplog.text  # the run's last lines, which the command line prints
 
 
 def test_skip_drops_the_steps_with_a_finite_loss_and_non_finite_gradients_too(train):
-    """In-process (the test above types a skipping run): the loss is finite, its gradients are not."""
+    """In-process: the loss is finite, its gradients are not."""
     _, run_dir = train(FAULTY, "+model.nan_grad_at_steps=[3,7]", "trainer.on_nonfinite=skip", "trainer.max_epochs=1",
                        *QUICK, shrink=False)
     skipped_two_steps(run_dir)
@@ -134,9 +172,10 @@ def diverged_in_process(run_dir: Path, *overrides: str) -> str:
     return raised.value.line
 
 
-def test_a_run_that_skipped_most_of_its_steps_ends_non_zero_in_one_line(tmp_path):
-    run_dir = tmp_path / "run"
-    line = diverged_in_process(run_dir, "trainer.on_nonfinite=skip", "lr=1e6", "trainer.max_epochs=2", *QUICK)
+def test_a_run_that_skipped_most_of_its_steps_ends_non_zero_in_one_line(user):
+    (typed,) = typed_as_shown(user, DOCS_MOSTLY_SKIPPED, "docs/training.md")
+    line = one_line_error(typed, exit_code=3)
+    (run_dir,) = user.runs()
     skipped = read_metrics(run_dir)["trainer/nonfinite_steps_skipped"]  # its results are kept, for a look
     assert skipped > 19
     assert line.startswith(f"runlab: error: {skipped} of 38 steps ({skipped / 38:.0%}) were skipped as non-finite")
@@ -159,9 +198,9 @@ def test_a_non_finite_validation_metric_stops_the_run_before_any_checkpoint(tmp_
 
 # --- resume means continue -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("ending", ["budget", "early stopping"])
-def test_resume_auto_on_a_complete_run_trains_nothing_and_exits_0(cli, user, ending):
-    first = ["trainer.max_epochs=3"] if ending == "budget" else ["lr=1e-12", "early_stopping.patience=1"]
+def test_resume_auto_on_a_run_early_stopping_ended_trains_nothing_and_exits_0(cli, user):
+    """(A run that reached its budget: test_the_docs_resumes_..., as docs/training.md types it.)"""
+    first = ["lr=1e-12", "early_stopping.patience=1"]
     trained_in_process(user, *first, *QUICK)
     (done,) = user.runs()
     before = (done / "metrics.json").read_text()
@@ -173,43 +212,84 @@ def test_resume_auto_on_a_complete_run_trains_nothing_and_exits_0(cli, user, end
     assert line.endswith(f"); nothing left to train; its results are in {done.relative_to(user.repo)}/metrics.json.")
 
 
-def test_a_larger_budget_continues_on_a_schedule_rebuilt_for_it(cli, user):
-    common = ["logger=csv", "trainer.log_every_n_steps=19", "trainer.progress_bar=false"]  # one lr value per epoch
-    trained_in_process(user, "trainer.max_epochs=2", *common)
-    result = cli("trainer.max_epochs=4", *common, "resume=auto")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "trainer.max_epochs: 2 -> 4" in result.stdout and "scheduler.T_max: 2 -> 4" in result.stdout
-    # Epochs 3 and 4 of a cosine over 4 epochs, not the cosine over 2 that had already reached 0.
-    expected = [1e-3 * 0.5 * (1 + math.cos(math.pi * epoch / 4)) for epoch in (2, 3)]
-    assert logged_lr(user.runs()[-1]) == pytest.approx(expected, rel=1e-6)
-    assert read_metrics(user.runs()[-1])["epoch"] == 4
+# docs/training.md's resumes, which tests/test_readme.py leaves to the test below (the later steps read
+# the earlier ones' runs): a run, a larger budget, another lr; the complete run and another model (console);
+# the model shared (python).
+DOCS_RESUMES = ["python run.py name=demo trainer.max_epochs=3",
+                "python run.py name=demo trainer.max_epochs=6 resume=auto",
+                "python run.py name=demo trainer.max_epochs=8 resume=auto lr=3e-4"]
+DOCS_COMPLETE = """$ python run.py name=demo trainer.max_epochs=8 resume=auto
+... The run in outputs/demo/... is complete (it reached trainer.max_epochs=8); nothing left to train; its results are in outputs/demo/.../metrics.json.
+$ echo $?
+0
+$ python run.py name=demo trainer.max_epochs=9 resume=auto model.width=64
+runlab: error: resume=outputs/demo/.../checkpoints/last.pt holds a model with model.width=256, but this config builds model.width=64; ..."""
+DOCS_SHARED = """import framework
+
+model = framework.load_model("outputs/demo")  # the latest demo run's best.pt; or a run dir, or a .pt file
+print(model)"""
 
 
-def test_resume_with_another_lr_trains_at_it_and_records_it(cli, user):
-    common = ["logger=csv", "trainer.log_every_n_steps=19", "trainer.progress_bar=false", "trainer.max_epochs=4"]
-    trained_in_process(user, *common, "trainer.max_steps=38")  # stopped after 2 of 4 epochs
-    (first,) = user.runs()
-    result = cli(*common, "lr=1e-2", f"resume={first}/checkpoints/last.pt")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "lr: 0.001 -> 0.01" in result.stdout
-    second = user.runs()[-1]
-    expected = [1e-2 * 0.5 * (1 + math.cos(math.pi * epoch / 4)) for epoch in (2, 3)]
-    assert logged_lr(second) == pytest.approx(expected, rel=1e-6)
-    assert yaml.safe_load((second / ".hydra/config.yaml").read_text())["lr"] == 0.01
-    assert load_checkpoint(second / "checkpoints/last.pt")["config"]["lr"] == 0.01
+def logged_lr_by_step(run_dir: Path) -> Dict[int, float]:
+    """The lr TensorBoard shows at each logged step of the run and of those it continues (one TensorBoard run)."""
+    from test_logging import read_events
+
+    return {event.step: event.value for event in read_events(run_dir).Scalars("overview/optimizer/lr")}
+
+
+def cosine(lr: float, epoch: int, epochs: int) -> float:
+    return lr * 0.5 * (1 + math.cos(math.pi * epoch / epochs))
+
+
+@pytest.mark.timeout(400)
+def test_the_docs_resumes_continue_on_a_rebuilt_schedule_at_the_new_lr_then_end_complete_or_refused(user):
+    from test_readme import STEPS
+
+    typed = [step.typed for step in STEPS if step.block.file == "docs/training.md"]
+    chain = [typed.index(step) for step in (*DOCS_RESUMES, DOCS_COMPLETE, DOCS_SHARED)]  # each on the page,
+    assert chain == sorted(chain)  # in this order
+    for command in DOCS_RESUMES:
+        done = user.run(command)
+        assert done.returncode == 0, done.stderr[-3000:]
+    first, longer, faster = user.runs("demo")
+    longer_log, faster_log = ((run_dir / "train.log").read_text() for run_dir in (longer, faster))
+    assert "trainer.max_epochs: 3 -> 6" in longer_log and "scheduler.T_max: 3 -> 6" in longer_log
+    assert "lr: 0.001 -> 0.0003" in faster_log and "scheduler.T_max: 6 -> 8" in faster_log
+    # Epochs 4 to 6 on a cosine over 6, not the cosine over 3 that had reached 0; then epochs 7 and 8 on a
+    # cosine over 8 restarted from 3e-4 (logged every 10 steps, 19 steps an epoch).
+    lr = logged_lr_by_step(faster)
+    assert {step: lr[step] for step in lr if step > 57} == pytest.approx(
+        {step: cosine(1e-3, (step - 1) // 19, 6) if step <= 114 else cosine(3e-4, (step - 1) // 19, 8)
+         for step in range(60, 153, 10)}, rel=1e-6)
+    assert yaml.safe_load((faster / ".hydra/config.yaml").read_text())["lr"] == 0.0003
+    assert load_checkpoint(faster / "checkpoints/last.pt")["config"]["lr"] == 0.0003
+    assert read_metrics(faster)["epoch"] == 8
+    before = (faster / "metrics.json").read_text()
+    complete, refused = typed_as_shown(user, DOCS_COMPLETE, "docs/training.md")
+    assert complete.returncode == 0, complete.stderr[-3000:]
+    (line,) = [line.split(" - ", 1)[1] for line in complete.stdout.splitlines() if " - " in line]
+    assert line == (f"The run in {faster.relative_to(user.repo)} is complete (it reached trainer.max_epochs=8); nothing "
+                    f"left to train; its results are in {faster.relative_to(user.repo)}/metrics.json.")
+    assert "holds a model with model.width=256, but this config builds model.width=64" in one_line_error(refused)
+    assert user.runs("demo") == [first, longer, faster]  # the complete run and the refused one made no run dir
+    assert (faster / "metrics.json").read_text() == before  # nor changed the run
+    shared = user.run(f"python -c {shlex.quote(DOCS_SHARED)}")
+    assert shared.returncode == 0, shared.stderr[-3000:]
+    assert "Linear(in_features=64, out_features=256" in shared.stdout
 
 
 RESUME_REFUSALS = {
     "model.width=64": "holds a model with model.width=32, but this config builds model.width=64",
     "data.classes=[0,1]": "holds a model with num_classes=10, but this config builds num_classes=2",
     "batch_size=32": "resume: batch_size=32 differs from the checkpoint's 64",
+    "seed=7": "resume: seed=7 differs from the checkpoint's 42",
     "model=cnn": "holds a model with model._target_='framework.model.MLP', but this config builds "
                  "model._target_='framework.model.CNN'",
 }
 
 
 def test_resume_refuses_a_different_run_naming_the_key(train):
-    """In-process: the refusals' words (test_a_refused_resume_leaves_no_run_dir types one of them)."""
+    """In-process: the refusals' words (test_the_docs_resumes_... types one: one line, no run dir)."""
     from framework.errors import ConfigError
 
     _, first = train("trainer.max_epochs=1", "logger=none")
@@ -243,7 +323,7 @@ def never_signalled(tmp_path_factory) -> Path:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_saves_the_step_and_resume_ends_where_an_uninterrupted_run_ends(never_signalled, cli, user, tmp_path,
+def test_a_signal_saves_the_step_and_resume_ends_where_an_uninterrupted_run_ends(never_signalled, user, tmp_path,
                                                                                  signum):
     args = ["name=signalled", *SIGNALLED]
     log = tmp_path / "first.log"
@@ -259,8 +339,8 @@ def test_a_signal_saves_the_step_and_resume_ends_where_an_uninterrupted_run_ends
                      f"{saved['epoch'] + 1}); saved {first.relative_to(user.repo)}/checkpoints/last.pt. "
                      "Continue with resume=auto."]
     assert not (first / "run.lock").exists() and not (first / "metrics.json").exists()
-    result = cli(*args, "resume=auto")
-    assert result.returncode == 0, result.stderr[-3000:]
+    # The resume in-process (one process start fewer): test_the_docs_resumes_... types resume=auto.
+    trained_in_process(user, *args, "resume=auto")
     resumed = weights(user.runs("signalled")[-1])
     for name, value in weights(never_signalled).items():
         assert torch.equal(resumed[name], value), name
@@ -280,23 +360,36 @@ def test_two_runs_started_together_get_a_dir_each(user, tmp_path):
         assert read_metrics(run_dir)["epoch"] == 2
 
 
+# docs/training.md's run stopped by SIGTERM, which tests/test_readme.py leaves to the test below.
+DOCS_STOPPED = """$ timeout --preserve-status -s TERM 15 python run.py name=long trainer.max_epochs=1000 early_stopping.enabled=false
+runlab: interrupted: SIGTERM at step ... (epoch ...); saved outputs/long/.../checkpoints/last.pt. Continue with resume=auto.
+$ echo $?
+143"""
+
+
+@pytest.mark.timeout(300)
 def test_a_live_run_holds_its_lock_and_resume_auto_refuses_it(user, tmp_path, monkeypatch):
-    """The refusal in-process (test_a_refused_resume_leaves_no_run_dir types a refused resume: one line, exit 2)."""
+    """The docs' run, stopped by SIGTERM after 15 s, as typed; while it lives, resume=auto is refused in-process
+    (test_the_docs_resumes_... types a refused resume: one line, exit 2)."""
+    from test_readme import assert_shown_lines_appear
+
     from framework.entry import run
     from framework.errors import ConfigError
 
+    ((command, shown, exit_code),) = docs_console(user, DOCS_STOPPED, "docs/training.md")
     log = tmp_path / "live.log"
-    live = user.start("python run.py trainer.max_epochs=500 early_stopping.enabled=false logger=none", log)
-    wait_for(lambda: list(user.outputs.glob("train/*/checkpoints/last.pt")), live, log)
-    (run_dir,) = user.runs()
-    assert (run_dir / "run.lock").read_text().startswith(f"pid {live.pid} on ")
+    live = user.start(command, log)  # timeout, which starts the run and sends SIGTERM after 15 s
+    wait_for(lambda: list(user.outputs.glob("long/*/checkpoints/last.pt")), live, log)
+    (run_dir,) = user.runs("long")
+    (pid,) = map(int, Path(f"/proc/{live.pid}/task/{live.pid}/children").read_text().split())
+    assert (run_dir / "run.lock").read_text().startswith(f"pid {pid} on ")
     monkeypatch.chdir(user.repo)  # the run dir is named as a command typed there names it
-    named = f"the latest run of 'train', {run_dir.relative_to(user.repo)}, is still running (pid {live.pid} on"
-    with pytest.raises(ConfigError, match=re.escape(named)):
-        run(["trainer.max_epochs=500", "resume=auto", f"paths.output_dir={user.outputs}", *QUICK],
-            run_dir=str(tmp_path / "refused"))
-    live.send_signal(signal.SIGTERM)
-    assert live.wait(timeout=60) == 143
+    named = f"the latest run of 'long', {run_dir.relative_to(user.repo)}, is still running (pid {pid} on"
+    with pytest.raises(ConfigError, match=re.escape(named)):  # (trainer.max_steps=1: little to do, were it not refused)
+        run(["name=long", "trainer.max_epochs=1000", "trainer.max_steps=1", "resume=auto",
+             f"paths.output_dir={user.outputs}", *QUICK], run_dir=str(tmp_path / "refused"))
+    assert live.wait(timeout=60) == exit_code == 143
+    assert_shown_lines_appear(shown, log.read_text(), command, "docs/training.md")
     assert not (run_dir / "run.lock").exists()
 
 
@@ -459,8 +552,19 @@ def test_an_unreachable_ray_cluster_is_one_line(cli):
 
 # --- the end of a run says where things are ---------------------------------------------------
 
-def test_the_last_lines_of_a_run_say_where_everything_is(cli, user):
-    result = cli("trainer.max_epochs=2", "trainer.progress_bar=false")
+# The README's run and what it prints last, which tests/test_readme.py leaves to the test below.
+README_LAST_LINES = """$ python run.py trainer.max_epochs=2
+... epoch 1  step 19  train/loss 1.7200  val/loss 0.9515  val/acc 0.8259  val/acc_top5 1.0000  val/f1 0.8276
+... epoch 2  step 38  train/loss 0.6257  val/loss 0.4547  val/acc 0.9296  val/acc_top5 1.0000  val/f1 0.9347
+... Run dir: outputs/train/...
+... Stopped: reached trainer.max_epochs=2, at step 38 (epoch 2), after ... s of training.
+... Best val/acc: 0.9296 (epoch 2)   test/acc 0.8889  test/loss 0.4771
+... Checkpoints: outputs/train/.../checkpoints/best.pt, outputs/train/.../checkpoints/last.pt
+... TensorBoard: tensorboard --logdir outputs/train/.../tensorboard"""
+
+
+def test_the_last_lines_of_a_run_say_where_everything_is(user):
+    (result,) = typed_as_shown(user, README_LAST_LINES, "README.md")
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = user.runs()
     shown = run_dir.relative_to(user.repo)
@@ -519,15 +623,6 @@ def test_a_damaged_checkpoint_given_to_resume_is_one_line_and_leaves_no_run_dir(
     line = one_line_error(cli("resume=damaged.pt", *QUICK))
     assert line == "runlab: error: damaged.pt has the runlab marker but is damaged: epoch is str, not int."
     assert not user.outputs.exists()  # nor outputs/train/: the refused run made them, and took them back
-
-
-def test_a_refused_resume_leaves_no_run_dir(cli, user):
-    trained_in_process(user, "trainer.max_epochs=1", "model.width=32", *QUICK)
-    (first,) = user.runs()
-    line = one_line_error(cli("trainer.max_epochs=2", "model.width=32", "trainer.progress_bar=false", "seed=7",
-                              "resume=auto"))  # with TensorBoard, whose events file the refusal found written
-    assert "resume: seed=7 differs from the checkpoint's 42" in line
-    assert user.runs() == [first]
 
 
 # --- set-up on a full disk -----------------------------------------------------------------------

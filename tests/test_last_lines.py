@@ -27,8 +27,13 @@ def test_a_max_steps_stop_and_its_resume_number_the_step_alike(cli, user):
     assert (second / "tensorboard").resolve() == (first / "tensorboard").resolve()
 
 
-def test_the_oom_injection_and_the_graph_trace_print_no_raw_warning(cli):
-    result = cli("troubleshoot.inject_oom_above_batch=32", "trainer.max_epochs=1", "trainer.progress_bar=false")
+# docs/oom.md's try-it command, which tests/test_readme.py leaves to the test below.
+DOCS_OOM = "python run.py troubleshoot.inject_oom_above_batch=16 trainer.max_epochs=2"
+
+
+def test_the_oom_injection_and_the_graph_trace_print_no_raw_warning(user):
+    assert f"\n{DOCS_OOM}\n" in (user.repo / "docs" / "oom.md").read_text()
+    result = user.run(DOCS_OOM)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Warning" not in result.stderr, result.stderr[-2000:]
     assert "Out of memory at micro-batch 64" in result.stdout  # it did back off, and the graph was traced (TensorBoard is on)

@@ -37,6 +37,10 @@ import yaml
 
 from conftest import REPO, UserShell, copy_repository, read_metrics
 from test_notebook import DOCS_ERROR, DOCS_RUN
+from test_cli import DOCS_REFUSED
+from test_faults import (DOCS_COMPLETE, DOCS_DIVERGED, DOCS_MOSTLY_SKIPPED, DOCS_RESUMES, DOCS_SHARED, DOCS_STOPPED,
+                         README_LAST_LINES)
+from test_last_lines import DOCS_OOM
 from test_examples import DOCS_CHAR_LM, DOCS_DIABETES, README_OWN_DATA, README_WAVES
 from test_multirun_summary import DOCS_GRID
 from test_parallel import DOCS_DDP_SWEEP
@@ -52,6 +56,14 @@ RUN_BY_THEIR_OWN_TEST = {
     DOCS_DDP_SWEEP: "tests/test_parallel.py::test_the_docs_ddp_sweep_gives_one_complete_run_dir_per_job",
     DOCS_RUN: "tests/test_notebook.py::test_the_docs_run_from_a_script_prints_each_epoch_and_returns_the_run",
     DOCS_ERROR: "tests/test_notebook.py::test_the_docs_run_from_a_script_prints_each_epoch_and_returns_the_run",
+    DOCS_REFUSED: "tests/test_cli.py::test_a_bad_value_stops_with_one_line_and_exit_code_2",
+    DOCS_DIVERGED: "tests/test_faults.py::test_a_diverging_run_stops_at_the_step_and_keeps_the_last_finite_checkpoints",
+    DOCS_MOSTLY_SKIPPED: "tests/test_faults.py::test_a_run_that_skipped_most_of_its_steps_ends_non_zero_in_one_line",
+    **dict.fromkeys([*DOCS_RESUMES, DOCS_COMPLETE, DOCS_SHARED],
+                    "tests/test_faults.py::test_the_docs_resumes_continue_on_a_rebuilt_schedule_at_the_new_lr_then_end_complete_or_refused"),
+    DOCS_STOPPED: "tests/test_faults.py::test_a_live_run_holds_its_lock_and_resume_auto_refuses_it",
+    DOCS_OOM: "tests/test_last_lines.py::test_the_oom_injection_and_the_graph_trace_print_no_raw_warning",
+    README_LAST_LINES: "tests/test_faults.py::test_the_last_lines_of_a_run_say_where_everything_is",
     **dict.fromkeys([DOCS_FINETUNE, DOCS_SCRATCH, DOCS_LOAD],
                     "tests/test_transfer.py::test_the_example_pair_beats_the_same_budget_from_scratch_by_5_points_as_a_user_types_it"),
     DOCS_GRID: "tests/test_multirun_summary.py::test_the_docs_grid_ends_with_its_jobs_and_the_best_one",
