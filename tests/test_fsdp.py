@@ -2,11 +2,11 @@
 
 It trains exactly like parallel=none (per-step losses and final weights, with gradient clipping
 over the sharded gradients, with and without accumulation); its checkpoints move both ways
-between fsdp and none; a run stopped by SIGTERM, then by kill -9, each time resumed with
-resume=auto, reaches the uninterrupted weights, with single-file and with sharded checkpoints
-(tests/test_sharded_checkpoints.py has the rest of those); and each process holds about half the
-bytes of parameters, gradients and optimizer state that ddp's do. (trainer.compile under fsdp:
-tests/test_compile.py.)
+between fsdp and none; a run stopped by SIGTERM while it writes one-file checkpoints, resumed
+with resume=auto writing sharded ones, killed with kill -9 and resumed again, reaches the
+uninterrupted weights (tests/test_sharded_checkpoints.py has the rest of sharded checkpoints);
+and each process holds about half the bytes of parameters, gradients and optimizer state that
+ddp's do. (trainer.compile under fsdp: tests/test_compile.py.)
 """
 from __future__ import annotations
 
@@ -135,13 +135,15 @@ def never_stopped(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sharded", ["false", "true"])  # one file (rank 0's), or each process's shards
-def test_sigterm_then_kill_9_each_resumed_with_resume_auto_reach_the_uninterrupted_weights(never_stopped, user, tmp_path,
-                                                                                          sharded):
-    """A run stopped by SIGTERM (to the launcher alone, as `kill PID` sends it: it passes it on to the workers,
-    which save the step they are at) exits 143 with one line; resumed with resume=auto, that run is killed with kill -9 after a later mid-epoch
-    checkpoint; resumed again, it ends on the weights of a run never stopped."""
-    args = ["parallel=fsdp", f"checkpoint.sharded={sharded}", "name=stopped", *STOPPED, "trainer.progress_bar=false"]
+def test_sigterm_then_kill_9_each_resumed_with_resume_auto_reach_the_uninterrupted_weights(never_stopped, user,
+                                                                                          tmp_path):
+    """One run, stopped twice, covers both faults and both checkpoint formats: it writes one-file checkpoints
+    and is stopped by SIGTERM (to the launcher alone, as `kill PID` sends it: it passes it on to the workers,
+    which save the step they are at), exiting 143 with one line; resumed with resume=auto and
+    checkpoint.sharded=true (a resume may change the format: it reads the single file and writes shards), it is
+    killed with kill -9 after a later, sharded, mid-epoch checkpoint; resumed again from that one, it ends on the
+    weights of a run never stopped. Covered: SIGTERM with a one-file checkpoint, kill -9 with a sharded one."""
+    args = ["parallel=fsdp", "name=stopped", *STOPPED, "trainer.progress_bar=false"]
     log = tmp_path / "first.log"
     process = user.start(shlex.join(["python", "run.py", *args]), log)
     wait_for(lambda: saved_mid_epoch(lambda: user.outputs.glob("stopped/*/checkpoints/last.pt")), process, log)
@@ -152,16 +154,21 @@ def test_sigterm_then_kill_9_each_resumed_with_resume_auto_reach_the_uninterrupt
     stopped_at = int(re.fullmatch(r"runlab: interrupted: SIGTERM at step (\d+) \(epoch \d+\); saved outputs/stopped/"
                                   r"\S+\. Continue with resume=auto\.", line)[1])
     (first,) = user.runs("stopped")
+    sharded = [*args, "checkpoint.sharded=true", "resume=auto"]
     log = tmp_path / "second.log"
-    process = user.start(shlex.join(["python", "run.py", *args, "resume=auto"]), log)
+    process = user.start(shlex.join(["python", "run.py", *sharded]), log)
     wait_for(lambda: saved_mid_epoch(lambda: (path for path in user.outputs.glob("stopped/*/checkpoints/last.pt")
                                               if first not in path.parents)), process, log)
     stop(process, os.killpg, signal.SIGKILL, exits=-signal.SIGKILL)
-    # The last resume=auto in this process (one process start fewer: the one above was typed as a user types it).
-    run([*args, "resume=auto", f"paths.output_dir={user.outputs}"])
+    # The last resume=auto in this process (one process start fewer: the two above were typed as a user types them).
+    run([*sharded, f"paths.output_dir={user.outputs}"])
     second, third = user.runs("stopped")[1:]
-    assert resumed_step(second) == stopped_at < resumed_step(third)
-    assert (third / "checkpoints/last.pt").is_symlink() == (sharded == "true")
+    # SIGTERM saved one file, which its resume read (saying the format changed); kill -9 left shards, read last.
+    assert resumed(second) == (f"{first.name}/checkpoints/last.pt", stopped_at)
+    assert "checkpoint.sharded: False -> True" in (second / "train.log").read_text()
+    source, step = resumed(third)
+    assert source == f"{second.name}/checkpoints/last.pt" and step > stopped_at
+    assert (second / "checkpoints/last.pt").is_symlink() and not (first / "checkpoints/last.pt").is_symlink()
     assert read_metrics(third)["step"] == 5 * 19  # 1,257 train samples: 19 batches of 64
     for name, value in final_weights(never_stopped).items():
         torch.testing.assert_close(final_weights(third)[name], value, rtol=0, atol=1e-5, msg=name)
@@ -176,5 +183,8 @@ def stop(launcher: subprocess.Popen, send: Callable[[int, int], None], signum: i
     assert all(gone(pid) for pid in workers), "an fsdp worker outlived its launcher"
 
 
-def resumed_step(run_dir: Path) -> int:
-    return int(re.search(r"Resumed from \S+ at step (\d+) \(epoch \d+\)\.", (run_dir / "train.log").read_text())[1])
+def resumed(run_dir: Path) -> Tuple[str, int]:
+    """The checkpoint ``run_dir``'s run resumed (from its run dir on) and its step."""
+    found = re.search(r"Resumed from \S+/stopped/(\S+) at step (\d+) \(epoch \d+\)\.",
+                      (run_dir / "train.log").read_text())
+    return found[1], int(found[2])
