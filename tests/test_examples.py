@@ -64,7 +64,7 @@ def typed(name: str, *overrides: str, multirun: bool = False) -> str:
     return " ".join([command, *map(shlex.quote, [*budget, *QUICK, *overrides])])
 
 
-def trained_in_process(train, name: str, run_name: str, *overrides: str):
+def reference_run(train, name: str, run_name: str, *overrides: str):
     """The run dir of a run the test compares with, in-process (one process start fewer)."""
     command, budget, _ = EXAMPLES[name]
     _, run_dir = train(command.split()[-1], *budget, *QUICK, f"name={run_name}", *overrides, shrink=False)
@@ -130,7 +130,7 @@ def test_the_char_lm_example_with_its_own_loss_trains_under_ddp_as_in_one_proces
     same = ["logger=csv", "trainer.max_epochs=1", "model.dropout=0.0"]
     two = user.run(typed("char_lm", "name=two", *same, "parallel=ddp", "parallel.world_size=2"))
     assert two.returncode == 0, two.stderr[-3000:]
-    one_dir, (two_dir,) = trained_in_process(train, "char_lm", "one", *same), user.runs("two")
+    one_dir, (two_dir,) = reference_run(train, "char_lm", "one", *same), user.runs("two")
     losses, expected = running_losses(two_dir), running_losses(one_dir)
     assert len(losses) == len(expected) > 1
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-5)
@@ -138,13 +138,15 @@ def test_the_char_lm_example_with_its_own_loss_trains_under_ddp_as_in_one_proces
 
 
 def running_losses_in_tensorboard(run_dir) -> list:
-    """The epoch's running mean training loss every trainer.log_every_n_steps, as TensorBoard (the default logger) has it."""
+    """The epoch's running mean training loss every trainer.log_every_n_steps, as TensorBoard (the default
+    logger) has it."""
     return [event.value for event in read_events(run_dir).Scalars("train/loss_running")]
 
 
 @pytest.mark.timeout(300)
 def test_the_readmes_own_dataset_model_and_loss_train_under_ddp_as_in_one_process(user):
-    """A user's Dataset of dict samples through DataLoaders on 2 processes: the README's command, then the same under ddp."""
+    """A user's Dataset of dict samples through DataLoaders on 2 processes: the README's command, then the
+    same under ddp."""
     command = as_on_its_page("own_data")
     one = user.run(command)
     assert one.returncode == 0, f"`{command}` exited {one.returncode}:\n{(one.stdout + one.stderr)[-3000:]}"
