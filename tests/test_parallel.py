@@ -236,17 +236,26 @@ def test_ddp_equals_one_device_and_its_checkpoint_resumes_under_another_mode(tra
         torch.testing.assert_close(final_weights(continued)[name], value, rtol=0, atol=1e-5)
 
 
+# docs/parallelism.md's torchrun command, which tests/test_readme.py leaves to this test.
+DOCS_TORCHRUN = "torchrun --nproc_per_node=2 run.py parallel=ddp trainer.max_steps=5"
+
+
 @pytest.mark.timeout(240)
-def test_torchrun_ddp_equals_one_device(reference, tmp_path):
-    outputs = tmp_path / "torchrun"
-    # Each process is a Hydra app; give each its own run dir so that adopting rank 0's is tested.
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(REPO / "run.py"), "parallel=ddp", *EXACT, "trainer.progress_bar=false", "model.width=32",
-               f"paths.output_dir={outputs}", f"hydra.run.dir={outputs}/rank${{oc.env:RANK}}"]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=200)
+def test_the_docs_torchrun_command_equals_one_device_in_one_run_dir(train, user):
+    """Each torchrun process is a Hydra app: rank 1 makes a run dir of its own, then uses rank 0's and
+    removes its own; the 5 steps end on parallel=none's weights and metrics. (Two epochs, each step's
+    loss compared, under torchrun: the two-node test below.)"""
+    assert f"\n{DOCS_TORCHRUN}    #" in (REPO / "docs" / "parallelism.md").read_text()
+    done = user.run(DOCS_TORCHRUN, timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [p.name for p in outputs.iterdir()] == ["rank0"]  # rank 1 used rank 0's dir and removed its own
-    assert_same_training(outputs / "rank0", reference, tolerance=1e-5)
+    (run_dir,) = user.runs("train")
+    assert "rank 1 of 2 joined the group" in (done.stdout + done.stderr)
+    _, expected = train("trainer.max_steps=5", shrink=False)
+    assert read_metrics(run_dir)["step"] == 5
+    for key in SAME_UNDER_EITHER:
+        assert read_metrics(run_dir)[key] == pytest.approx(read_metrics(expected)[key], abs=1e-5), key
+    for name, value in final_weights(expected).items():
+        torch.testing.assert_close(final_weights(run_dir)[name], value, rtol=0, atol=1e-5, msg=name)
 
 
 @pytest.mark.timeout(240)
