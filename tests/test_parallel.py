@@ -14,8 +14,6 @@ import re
 import shlex
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -39,8 +37,6 @@ from test_logging import read_events
 
 # Two short epochs of 9 steps, every step logged, so losses can be compared step by step.
 EXACT = ["trainer.max_epochs=2", "batch_size=128", "logger=csv", "trainer.log_every_n_steps=1"]
-# Lets the subprocesses (and the ddp processes they spawn) import tests/parallel_models.py.
-TESTS_ON_PATH = {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
 
 
 def running_losses(run_dir: Path) -> List[float]:
