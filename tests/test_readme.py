@@ -44,6 +44,7 @@ from test_last_lines import DOCS_OOM
 from test_examples import DOCS_CHAR_LM, DOCS_DIABETES, README_OWN_DATA, README_WAVES
 from test_multirun_summary import DOCS_GRID
 from test_parallel import DOCS_DDP_SWEEP, DOCS_TORCHRUN
+from test_sharded_checkpoints import DOCS_SHARDED_RUN
 from test_search import (DOCS_BEST, DOCS_EXPORT, DOCS_EXPORTED_BEST, DOCS_RANDOM, DOCS_REPORT, DOCS_TPE,
                          DOCS_TPE_RESUMED, DOCS_TWO_OBJECTIVES)
 from test_sweep_scheduling import DOCS_LR_ONLY, DOCS_NARROW_LR
@@ -55,6 +56,7 @@ from test_transfer import DOCS_FINETUNE, DOCS_LOAD, DOCS_SCRATCH
 RUN_BY_THEIR_OWN_TEST = {
     DOCS_DDP_SWEEP: "tests/test_parallel.py::test_the_docs_ddp_sweep_gives_one_complete_run_dir_per_job",
     DOCS_TORCHRUN: "tests/test_parallel.py::test_the_docs_torchrun_command_equals_one_device_in_one_run_dir",
+    DOCS_SHARDED_RUN: "tests/test_sharded_checkpoints.py::test_a_sharded_checkpoint_resumes_under_fsdp_and_in_one_process_as_the_single_file_run_goes_on",
     DOCS_RUN: "tests/test_notebook.py::test_the_docs_run_from_a_script_prints_each_epoch_and_returns_the_run",
     DOCS_ERROR: "tests/test_notebook.py::test_the_docs_run_from_a_script_prints_each_epoch_and_returns_the_run",
     DOCS_REFUSED: "tests/test_cli.py::test_a_bad_value_stops_with_one_line_and_exit_code_2",

@@ -1,9 +1,9 @@
 """checkpoint.sharded=true (parallel=fsdp, 2 gloo processes on CPU): each process writes its shards.
 
-The run's checkpoint resumes exactly, under fsdp and in one process (parallel=none, which
-consolidates it); task=eval and task=export read it; a damaged or foreign one is refused in one
-line, and a .metadata naming code is never unpickled. tests/test_fsdp.py has the kill -9 then
-resume=auto with sharded checkpoints, as a user types it.
+docs/parallelism.md's run, typed in a fresh copy: its checkpoint resumes exactly, under fsdp
+and in one process (parallel=none, which consolidates it); task=eval and task=export read it; a
+damaged or foreign one is refused in one line, and a .metadata naming code is never unpickled.
+tests/test_fsdp.py has the kill -9 then resume=auto with sharded checkpoints, as a user types it.
 """
 from __future__ import annotations
 
@@ -18,25 +18,32 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SHRINK, read_metrics
+from conftest import REPO, UserShell, read_metrics
 from framework.checkpoint import load_checkpoint
 from framework.entry import run
 from framework.errors import CheckpointError, ConfigError, ResourceError
-from test_parallel import EXACT, final_weights, running_losses
+from test_parallel import final_weights, running_losses
 
 FSDP = ["parallel=fsdp", "parallel.world_size=2", "checkpoint.sharded=true"]
+# docs/parallelism.md's command, which tests/test_readme.py leaves to the fixture below.
+DOCS_SHARDED_RUN = "python run.py parallel=fsdp checkpoint.sharded=true trainer.max_epochs=2"
+# The runs that go on from it keep its model, data and batch size, and log each step's loss.
+EACH_STEP = ["trainer.progress_bar=false", "logger=csv", "trainer.log_every_n_steps=1"]
 
 
 @pytest.fixture(scope="module")
-def sharded_run(tmp_path_factory) -> Path:
-    """Two epochs of fsdp on 2 processes, with sharded checkpoints."""
-    root = tmp_path_factory.mktemp("sharded")
-    run([*SHRINK, *EXACT, *FSDP, f"paths.output_dir={root / 'outputs'}"], run_dir=str(root / "run"))
-    return root / "run"
+def sharded_run(tmp_path_factory, fresh_copy) -> Path:
+    """docs/parallelism.md's two epochs of fsdp on 2 processes, with sharded checkpoints, as a user types it."""
+    assert f"\n{DOCS_SHARDED_RUN}\n" in (REPO / "docs" / "parallelism.md").read_text()
+    user = UserShell(Path(shutil.copytree(fresh_copy, tmp_path_factory.mktemp("sharded") / "runlab", symlinks=True)))
+    done = user.run(DOCS_SHARDED_RUN, timeout=250)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    (run_dir,) = user.runs("train")
+    return run_dir
 
 
 def third_epoch(*overrides: str, run_dir: Path) -> Path:
-    run([*SHRINK, *EXACT, "trainer.max_epochs=3", f"paths.output_dir={run_dir.parent / 'outputs'}", *overrides],
+    run([*EACH_STEP, "trainer.max_epochs=3", f"paths.output_dir={run_dir.parent / 'outputs'}", *overrides],
         run_dir=str(run_dir))
     return run_dir
 
@@ -49,7 +56,8 @@ def test_a_sharded_checkpoint_resumes_under_fsdp_and_in_one_process_as_the_singl
     shards = [path.stat().st_size for path in last.resolve().glob("__*.distcp")]
     assert len(shards) == 2 and max(shards) < 0.7 * sum(shards)  # each process wrote its own part, none the whole
     # What resuming parallel=none's own single file gives (the same weights as fsdp's after two epochs).
-    run([*SHRINK, *EXACT, f"paths.output_dir={tmp_path / 'outputs'}"], run_dir=str(tmp_path / "single_file"))
+    run(["trainer.max_epochs=2", "trainer.progress_bar=false", f"paths.output_dir={tmp_path / 'outputs'}"],
+        run_dir=str(tmp_path / "single_file"))
     expected = third_epoch(f"resume={tmp_path / 'single_file/checkpoints/last.pt'}", run_dir=tmp_path / "expected")
     resumed = {"fsdp": third_epoch(*FSDP, f"resume={last}", run_dir=tmp_path / "fsdp"),
                "none": third_epoch(f"resume={last}", run_dir=tmp_path / "none")}
