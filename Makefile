@@ -6,8 +6,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.runlab-installed
 ARGS ?=
 # Two workers, each taking whole test files (README steps stay in order): the suite is mostly
-# single-threaded subprocesses, so on 2 cores this nearly halves its time.
-PYTEST_ARGS ?= -n 2 --dist loadfile
+# single-threaded subprocesses, so on 2 cores this nearly halves its time. The files go out in
+# tests/conftest.py's order, longest first (xdist would order them by their number of tests, and a
+# long file of few tests given out last ran alone at the end).
+PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 .PHONY: install run test bench clean
 
