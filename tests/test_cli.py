@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from conftest import one_line_error, write_csv_without_label
+from docs_pages import typed_as_shown
 from framework.entry import HydraReportsAgain, cli as cli_entry, run
 from framework.errors import CheckpointError, ConfigError
-from test_faults import typed_as_shown
 
 QUICK = ["trainer.max_steps=2", "trainer.progress_bar=false", "logger=none", "model.width=16"]
 

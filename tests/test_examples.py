@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, read_metrics
+from conftest import read_metrics
 from framework.checkpoint import load_checkpoint
 from test_faults import wait_for
 from test_logging import read_events
@@ -45,16 +45,8 @@ README_OWN_DATA = ("PYTHONPATH=examples/user_project python run.py data=custom d
                    "+data.num_samples=1024 +data.length=64 +data.noise=0.2 +data.seed=0 model=custom "
                    "model._target_=waves.model.WaveNet +model.channels=16 +model.hidden=64 +model.outputs=2 "
                    "objective=regression trainer.max_epochs=2")  # the user project on the command line alone
-ON_THE_PAGES = {"diabetes_regression": ("docs/models.md", DOCS_DIABETES), "char_lm": ("docs/models.md", DOCS_CHAR_LM),
-                "waves": ("README.md", README_WAVES), "own_data": ("README.md", README_OWN_DATA)}
-
-
-def as_on_its_page(name: str) -> str:
-    """The command the page shows for ``name``, after checking that it still does (its comment aside)."""
-    page, command = ON_THE_PAGES[name]
-    assert command in [line.split(" #")[0].strip() for line in (REPO / page).read_text().splitlines()], \
-        f"{page} no longer shows `{command}`: change the test with the page"
-    return command
+# Each example's command as its page shows it (tests/test_readme.py checks that the pages still do).
+ON_THE_PAGES = {"diabetes_regression": DOCS_DIABETES, "char_lm": DOCS_CHAR_LM, "waves": README_WAVES}
 
 
 def typed(name: str, *overrides: str, multirun: bool = False) -> str:
@@ -100,7 +92,7 @@ def open_text_prefix(chars: int) -> str:
     ("waves", signal.SIGKILL, 2),  # kill -9, and batches from 2 DataLoader workers (the page's run: none)
 ])
 def test_an_example_trains_and_resumes_exactly_after_an_interruption(user, tmp_path, name, stop, workers):
-    command = as_on_its_page(name)
+    command = ON_THE_PAGES[name]
     whole = user.run(command)  # as the page shows it: the run the interrupted one must end as
     assert whole.returncode == 0, f"`{command}` exited {whole.returncode}:\n{(whole.stdout + whole.stderr)[-3000:]}"
     (uninterrupted,) = user.runs(name)
@@ -147,7 +139,7 @@ def running_losses_in_tensorboard(run_dir) -> list:
 def test_the_readmes_own_dataset_model_and_loss_train_under_ddp_as_in_one_process(user):
     """A user's Dataset of dict samples through DataLoaders on 2 processes: the README's command, then the
     same under ddp."""
-    command = as_on_its_page("own_data")
+    command = README_OWN_DATA
     one = user.run(command)
     assert one.returncode == 0, f"`{command}` exited {one.returncode}:\n{(one.stdout + one.stderr)[-3000:]}"
     two = user.run(f"{command} name=two parallel=ddp parallel.world_size=2")

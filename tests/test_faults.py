@@ -16,13 +16,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict
 
 import pytest
 import torch
 import yaml
 
 from conftest import one_line_error, read_metrics
+from docs_pages import assert_in_page_order, assert_shown_lines_appear, console_steps, typed_as_shown
 from framework.checkpoint import load_checkpoint
 
 QUICK = ["logger=none", "trainer.progress_bar=false"]
@@ -64,35 +65,6 @@ def mount_namespaces_work(user) -> bool:
     works = user.run(namespaced("true", f"mount -t tmpfs -o size=1m tmpfs {probe.name}"), timeout=30).returncode == 0
     probe.rmdir()
     return works
-
-
-def docs_console(user, block: str, page: str) -> List[Tuple[str, List[str], Optional[int]]]:
-    """A console ``block`` of ``page``, which tests/test_readme.py leaves to the calling test, as
-    (command, the lines it prints as shown, the exit code `echo $?` shows after it or None)."""
-    from test_readme import Block, console_transcript
-
-    assert f"```console\n{block}\n```" in (user.repo / page).read_text()
-    transcript, steps = console_transcript(Block("console", block, 0, page)), []
-    for command, shown in zip(transcript.commands, transcript.outputs):
-        if command == "echo $?":
-            steps[-1] = (*steps[-1][:2], int(shown[0]))
-        else:
-            steps.append((command, shown, None))
-    return steps
-
-
-def typed_as_shown(user, block: str, page: str) -> List[subprocess.CompletedProcess]:
-    """Each command of a docs console ``block`` typed in the user's copy, printing the lines shown (in
-    order; `...` stands for anything) and exiting as `echo $?` shows; their results, in order."""
-    from test_readme import assert_shown_lines_appear
-
-    results = []
-    for command, shown, exit_code in docs_console(user, block, page):
-        results.append(user.run(command, timeout=500))
-        printed = results[-1].stdout + results[-1].stderr
-        assert_shown_lines_appear(shown, printed, command, page)
-        assert exit_code in (None, results[-1].returncode), printed[-3000:]
-    return results
 
 
 # --- non-finite values -------------------------------------------------------------------------
@@ -243,11 +215,7 @@ def cosine(lr: float, epoch: int, epochs: int) -> float:
 
 @pytest.mark.timeout(400)
 def test_the_docs_resumes_continue_on_a_rebuilt_schedule_at_the_new_lr_then_end_complete_or_refused(user):
-    from test_readme import STEPS
-
-    typed = [step.typed for step in STEPS if step.block.file == "docs/training.md"]
-    chain = [typed.index(step) for step in (*DOCS_RESUMES, DOCS_COMPLETE, DOCS_SHARED)]  # each on the page,
-    assert chain == sorted(chain)  # in this order
+    assert_in_page_order("docs/training.md", *DOCS_RESUMES, DOCS_COMPLETE, DOCS_SHARED)
     for command in DOCS_RESUMES:
         done = user.run(command)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -371,12 +339,10 @@ $ echo $?
 def test_a_live_run_holds_its_lock_and_resume_auto_refuses_it(user, tmp_path, monkeypatch):
     """The docs' run, stopped by SIGTERM after 15 s, as typed; while it lives, resume=auto is refused in-process
     (test_the_docs_resumes_... types a refused resume: one line, exit 2)."""
-    from test_readme import assert_shown_lines_appear
-
     from framework.entry import run
     from framework.errors import ConfigError
 
-    ((command, shown, exit_code),) = docs_console(user, DOCS_STOPPED, "docs/training.md")
+    ((command, shown, exit_code),) = console_steps(DOCS_STOPPED)
     log = tmp_path / "live.log"
     live = user.start(command, log)  # timeout, which starts the run and sends SIGTERM after 15 s
     wait_for(lambda: list(user.outputs.glob("long/*/checkpoints/last.pt")), live, log)

@@ -33,7 +33,6 @@ DOCS_OOM = "python run.py troubleshoot.inject_oom_above_batch=16 trainer.max_epo
 
 
 def test_the_oom_injection_and_the_graph_trace_print_no_raw_warning(user):
-    assert f"\n{DOCS_OOM}\n" in (user.repo / "docs" / "oom.md").read_text()
     result = user.run(DOCS_OOM)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Warning" not in result.stderr, result.stderr[-2000:]

@@ -28,14 +28,13 @@ import signal
 import subprocess
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, List, Tuple
+from typing import List, Tuple
 
 import pytest
-import yaml
 
 from conftest import REPO, UserShell, copy_repository, read_metrics
+from docs_pages import FENCE, STEPS, as_pattern, console_transcript, documents, typed_as_shown
 from test_notebook import DOCS_ERROR, DOCS_RUN
 from test_cli import DOCS_REFUSED
 from test_faults import (DOCS_COMPLETE, DOCS_DIVERGED, DOCS_MOSTLY_SKIPPED, DOCS_RESUMES, DOCS_SHARED, DOCS_STOPPED,
@@ -85,97 +84,7 @@ RUN_BY_THEIR_OWN_TEST = {
     README_OWN_DATA: "tests/test_examples.py::test_the_readmes_own_dataset_model_and_loss_train_under_ddp_as_in_one_process",
 }
 
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 SERVING = re.compile(r"TensorBoard \S+ at (http://\S+/) ")
-
-
-@dataclass
-class Block:
-    kind: str  # bash | console | python
-    text: str
-    line: int  # where it starts in its file
-    file: str = "README.md"  # relative to the repository
-
-    @property
-    def where(self) -> str:
-        return f"{self.file}:{self.line}"
-
-
-def readme_blocks(text: str, file: str = "README.md") -> List[Block]:
-    return [Block(match.group(1), match.group(2), text.count("\n", 0, match.start()) + 1, file)
-            for match in FENCE.finditer(text) if match.group(1) in ("bash", "console", "python")]
-
-
-def nav_pages(nav) -> Iterator[str]:
-    """The pages of mkdocs.yml's nav, in order (entries may nest in sections)."""
-    for entry in nav:
-        target = next(iter(entry.values())) if isinstance(entry, dict) else entry
-        if isinstance(target, list):
-            yield from nav_pages(target)
-        else:
-            yield target
-
-
-def documents() -> List[str]:
-    """README.md, then the docs pages in the site's order."""
-    site = yaml.safe_load((REPO / "mkdocs.yml").read_text())
-    return ["README.md", *(f"{site.get('docs_dir', 'docs')}/{page}" for page in nav_pages(site["nav"]))]
-
-
-def bash_commands(block: Block) -> Iterator[Tuple[str, str]]:
-    """(command, reason to skip it or "") for each command of a bash block."""
-    pending = ""
-    for line in block.text.splitlines():
-        if line.rstrip().endswith("\\"):
-            pending += line.rstrip()[:-1] + " "
-            continue
-        command = (pending + line).strip()
-        pending = ""
-        if not command or command.startswith("#"):
-            continue
-        comment = command.split(" #", 1)[1].strip() if " #" in command else ""
-        yield command, comment[len("needs:"):].strip() if comment.startswith("needs:") else ""
-
-
-@dataclass
-class Transcript:
-    commands: List[str] = field(default_factory=list)
-    outputs: List[List[str]] = field(default_factory=list)
-
-
-def console_transcript(block: Block) -> Transcript:
-    transcript = Transcript()
-    for line in block.text.splitlines():
-        if line.startswith("$ "):
-            transcript.commands.append(line[2:])
-            transcript.outputs.append([])
-        elif transcript.commands and line.strip():
-            transcript.outputs[-1].append(line.strip())
-    return transcript
-
-
-def as_pattern(shown: str) -> re.Pattern:
-    return re.compile(".*".join(re.escape(part) for part in shown.split("...")))
-
-
-def assert_shown_lines_appear(shown: List[str], printed: str, command: str, where: str) -> None:
-    lines = iter(printed.splitlines())
-    for expected in shown:
-        pattern = as_pattern(expected)
-        assert any(pattern.search(line) for line in lines), \
-            f"{where}: `{command}` did not print, in this order, the line\n  {expected}\nIt printed:\n{printed[-4000:]}"
-
-
-def run_transcript(user: UserShell, transcript: Transcript, where: str) -> None:
-    """Each `$` line in one bash session (so `echo $?` sees the command before it), outputs split by markers."""
-    script = ["__status=0"]
-    for number, command in enumerate(transcript.commands):
-        script += [f"echo '@@{number}@@'", "(exit $__status)", f"{command} 2>&1", "__status=$?"]
-    done = user.run("\n".join(script), timeout=500)
-    printed = re.split(r"^@@\d+@@$", done.stdout, flags=re.M)[1:]
-    assert len(printed) == len(transcript.commands), f"{where}: the transcript stopped early:\n{done.stdout[-3000:]}"
-    for command, shown, output in zip(transcript.commands, transcript.outputs, printed):
-        assert_shown_lines_appear(shown, output, command, where)
 
 
 def serve_tensorboard(user: UserShell, command: str, log: Path, where: str) -> None:
@@ -202,36 +111,6 @@ def serve_tensorboard(user: UserShell, command: str, log: Path, where: str) -> N
             server.kill()
 
 
-@dataclass
-class Step:
-    """One thing a reader does: a bash command, a console transcript or a python block."""
-    block: Block
-    command: str = ""
-    needs: str = ""
-
-    @property
-    def id(self) -> str:
-        return f"{self.block.where} {self.command or self.block.kind}"[:90]
-
-    @property
-    def typed(self) -> str:
-        """What the reader types: the command without its comment, or a console or python block's whole text."""
-        return self.command.split(" #")[0].strip() if self.command else self.block.text.strip()
-
-
-def readme_steps() -> List[Step]:
-    steps = []
-    for block in (b for file in documents() for b in readme_blocks((REPO / file).read_text(), file)):
-        if block.kind == "bash":
-            steps += [Step(block, command, needs) for command, needs in bash_commands(block)]
-        else:
-            steps.append(Step(block))
-    return steps
-
-
-STEPS = readme_steps()
-
-
 @pytest.fixture(scope="module")
 def reader(tmp_path_factory) -> UserShell:
     """One fresh copy for the README and the pages, read top to bottom (later commands use earlier runs)."""
@@ -247,7 +126,7 @@ def test_the_readme_format_is_understood():
     assert {"python run.py parallel=ddp", "python run.py -m lr=1e-3,1e-4", "python run.py experiment=digits_cnn",
             "make run", "make test"} <= set(readme)  # the card's commands, on the README itself
     assert len(documents()) > 10 and all((REPO / page).is_file() for page in documents())
-    assert all(console_transcript(s.block).commands for s in STEPS if s.block.kind == "console")
+    assert all(console_transcript(s.block.text).commands for s in STEPS if s.block.kind == "console")
     assert as_pattern("micro-batch ... fits").search("micro-batch 4096 fits")
 
 
@@ -260,7 +139,7 @@ def test_readme_step_works_verbatim_in_a_fresh_copy(reader, step, tmp_path):
     if step.typed in RUN_BY_THEIR_OWN_TEST:
         pytest.skip(f"run by {RUN_BY_THEIR_OWN_TEST[step.typed]}")
     if step.block.kind == "console":
-        run_transcript(reader, console_transcript(step.block), where)
+        typed_as_shown(reader, step.block.text, where, one_terminal=True)
     elif step.block.kind == "python":
         done = reader.run(f"python -c {shlex.quote(step.block.text)}", timeout=500)
         assert done.returncode == 0, f"{where}: the python block failed:\n{done.stderr[-3000:]}"

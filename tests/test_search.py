@@ -20,6 +20,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import REPO, aids_on_path, one_line_error, read_metrics
+from docs_pages import assert_in_page_order, typed_as_shown
 
 # Sweeps write only under outputs/ (git-ignored): after each test, `git status` of its copy is clean.
 pytestmark = pytest.mark.usefixtures("source_tree_stays_clean")
@@ -101,15 +102,8 @@ number  state ... val/acc  val/loss  seconds ...
 Trial #... as an experiment: python run.py --config-dir outputs/train/multirun/two_objectives experiment=best_..."""
 
 
-def assert_on_the_page(page: str, *commands: str) -> None:
-    """Each command is still a line of the page, as typed (its comment aside)."""
-    lines = [line.split(" #")[0].strip() for line in (REPO / page).read_text().splitlines()]
-    assert all(command in lines for command in commands), [c for c in commands if c not in lines]
-
-
 @pytest.mark.timeout(240)
 def test_the_docs_random_sweep_runs_n_trials_and_writes_its_report(user):
-    assert_on_the_page("docs/search.md", DOCS_RANDOM)
     result = user.run(DOCS_RANDOM)
     assert result.returncode == 0, result.stderr[-2000:]
     directory = sweep_dir(user, "train_random")
@@ -128,8 +122,8 @@ def test_the_docs_random_sweep_runs_n_trials_and_writes_its_report(user):
 
 @pytest.mark.timeout(400)
 def test_the_docs_tpe_study_resumes_reports_and_its_best_trial_reproduces_the_best_value(user):
-    assert_on_the_page("docs/search.md", DOCS_TPE, DOCS_TPE_RESUMED, DOCS_REPORT, DOCS_BEST, DOCS_EXPORT,
-                       DOCS_EXPORTED_BEST)
+    assert_in_page_order("docs/search.md", DOCS_TPE, DOCS_TPE_RESUMED, DOCS_REPORT, DOCS_BEST, DOCS_EXPORT,
+                         DOCS_EXPORTED_BEST)
     # 3 trials: the fewest the report plots parameter importances for.
     first = user.run(DOCS_TPE)
     assert first.returncode == 0, first.stderr[-2000:]
@@ -230,15 +224,8 @@ def test_failing_trials_are_recorded_failed_and_too_many_stop_the_sweep(cli, use
 
 @pytest.mark.timeout(300)
 def test_the_docs_in_memory_sweep_of_two_objectives_reports_its_pareto_front(user):
-    # Imported here: tests/test_readme.py imports this module's commands.
-    from test_readme import Block, assert_shown_lines_appear, console_transcript
-
-    assert f"```console\n{DOCS_TWO_OBJECTIVES}\n```" in (REPO / "docs" / "search.md").read_text()
-    transcript = console_transcript(Block("console", DOCS_TWO_OBJECTIVES, 0, "docs/search.md"))
-    (command,), (shown,) = transcript.commands, transcript.outputs
-    result = user.run(f"{command} 2>&1")  # as the page shows it: one terminal
+    (result,) = typed_as_shown(user, DOCS_TWO_OBJECTIVES, "docs/search.md", one_terminal=True)
     assert result.returncode == 0, result.stdout[-2000:]
-    assert_shown_lines_appear(shown, result.stdout, command, "docs/search.md")
     assert "the study lives in memory only, so this sweep cannot be resumed" in result.stdout
     directory = sweep_dir(user, "two_objectives")
     assert not (directory / "study.db").exists()

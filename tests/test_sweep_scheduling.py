@@ -17,7 +17,7 @@ from framework.errors import ConfigError
 from framework.search.slots import TrialSlots
 from framework.search.study import STOPPED, load_sweep_study
 from framework.search.sweeper import StudySweeper, SweepError
-from test_search import assert_on_the_page
+from docs_pages import assert_in_page_order
 
 
 class ScriptedSlots(TrialSlots):
@@ -226,7 +226,7 @@ DOCS_LR_ONLY = ("python run.py search=random '~hydra.sweeper.params' 'lr=tag(log
 @pytest.mark.timeout(300)
 def test_the_docs_spaces_make_their_studies_and_the_same_command_with_another_space_is_refused_in_one_line(user):
     """The user's path: the docs' commands verbatim, then the first one typed again with a changed space."""
-    assert_on_the_page("docs/search.md", DOCS_NARROW_LR, DOCS_LR_ONLY)
+    assert_in_page_order("docs/search.md", DOCS_NARROW_LR, DOCS_LR_ONLY)
     for command in (DOCS_NARROW_LR, DOCS_LR_ONLY):
         done = user.run(command)
         assert done.returncode == 0, done.stderr[-3000:]

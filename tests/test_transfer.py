@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SHRINK, one_line_error, read_metrics
+from docs_pages import assert_in_page_order
 from framework.errors import CheckpointError
 from framework.checkpoint import load_checkpoint, load_model, save_checkpoint
 from framework.errors import ConfigError
@@ -121,8 +122,7 @@ def test_the_example_pair_beats_the_same_budget_from_scratch_by_5_points_as_a_us
     example = (user.repo / "experiments" / "digits_finetune.yaml").read_text()
     commands = [line.lstrip("#").strip() for line in example.splitlines() if line.startswith("#   python run.py")]
     assert commands == [DOCS_FINETUNE, DOCS_SCRATCH]
-    page = (user.repo / "docs" / "finetune.md").read_text()
-    assert f"\n{DOCS_FINETUNE}\n{DOCS_SCRATCH}\n" in page and f"```python\n{DOCS_LOAD}\n```" in page
+    assert_in_page_order("docs/finetune.md", DOCS_FINETUNE, DOCS_SCRATCH, DOCS_LOAD)
     for command in commands:
         done = user.run(command, timeout=400)
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
