@@ -570,15 +570,20 @@ class PathsConfig:
     output_dir: str = MISSING
 
 
+# A trial's study name, storage and number: set per trial by the sweeper (framework/search/sweeper.py)
+# in the job's environment (hydra.job.env_set, whose keys conf/hydra/default.yaml declares), which Hydra
+# leaves out of the override lines it prints: plumbing, not what the trial tries. Read as search.*.
+TRIAL_VARIABLES = ("RUNLAB_STUDY_NAME", "RUNLAB_STORAGE", "RUNLAB_TRIAL")
+STUDY_NAME_VARIABLE, STORAGE_VARIABLE, TRIAL_VARIABLE = TRIAL_VARIABLES
+
+
 @dataclass
 class SearchConfig:
     """A run's place in a sweep (conf/search/ picks the sweep; hydra/sweeper=runlab fills these in)."""
 
-    # Set per trial by the sweeper through the job's environment (hydra.job.env_set), which Hydra leaves
-    # out of the override lines it prints: plumbing, not what the trial tries.
-    study_name: str = "${oc.env:RUNLAB_STUDY_NAME,''}"
-    storage: str = "${oc.env:RUNLAB_STORAGE,''}"  # the study's SQLAlchemy URL
-    trial: int = "${oc.env:RUNLAB_TRIAL,-1}"  # the Optuna trial number; -1: not a trial
+    study_name: str = f"${{oc.env:{STUDY_NAME_VARIABLE},''}}"
+    storage: str = f"${{oc.env:{STORAGE_VARIABLE},''}}"  # the study's SQLAlchemy URL
+    trial: int = f"${{oc.env:{TRIAL_VARIABLE},-1}}"  # the Optuna trial number; -1: not a trial
     num_threads: int = 0  # torch threads for this run (parallel trials set 1); 0: torch's default
 
 

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from framework.checkpoint import checked_spec, read_pretrained, resolve_checkpoint_path
-from framework.config import command_line_overrides
+from framework.config import TRIAL_VARIABLES, command_line_overrides
 from framework.errors import CheckpointError, ConfigError, Interrupted, RunlabError
 from framework.model import BATCH_NORMS, accepted_keys, model_spec
 
@@ -106,7 +106,6 @@ def pretraining_environment() -> Dict[str, str]:
     torchrun group, and not this sweep trial (whose study the sweeper names in TRIAL_VARIABLES:
     the pretraining would report its validations to the trial, and could prune it)."""
     from framework.parallel.distributed import outside_any_group
-    from framework.search.sweeper import TRIAL_VARIABLES
 
     return {name: value for name, value in outside_any_group(os.environ).items() if name not in TRIAL_VARIABLES}
 

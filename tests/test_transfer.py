@@ -18,7 +18,7 @@ from framework.checkpoint import load_checkpoint, load_model, save_checkpoint
 from framework.errors import ConfigError
 from framework.entry import run
 from framework.export import load_artifact
-from framework.search.sweeper import TRIAL_VARIABLES
+from framework.config import TRIAL_VARIABLES
 
 QUIET = ["logger=none"]
 LOW_DIGITS, HIGH_DIGITS = "data.classes=[0,1,2,3,4]", "data.classes=[5,6,7,8,9]"

@@ -41,6 +41,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from framework.config import TRIAL_VARIABLES
 from framework.errors import ConfigError, SweepError
 from framework.private_apis import (distribution_from_config, heartbeat_ages, job_error, parse_sweep_overrides,
                                     trial_by_number, uncached)
@@ -51,9 +52,6 @@ from framework.search.study import (PURPOSE, STOPPED, Heartbeat, default_storage
 log = logging.getLogger(__name__)
 
 OOM_MARKERS = ("out of memory", "can't allocate memory")
-# A trial's study name, storage and number, in the job's environment (hydra.job.env_set), which Hydra leaves out
-# of the override lines it prints; the run reads them as search.* (framework/config.py).
-TRIAL_VARIABLES = ("RUNLAB_STUDY_NAME", "RUNLAB_STORAGE", "RUNLAB_TRIAL")
 # hydra.sweeper.direction takes the words of checkpoint.mode and early_stopping.mode (framework/config.py's
 # Direction: min, max) as well as Optuna's, which the stock hydra-optuna-sweeper's configs hold. All default
 # to auto, the metric's own direction from the objective, so a user sets no direction at all. They stay
