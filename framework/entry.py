@@ -23,6 +23,7 @@ from framework.config import CONF_DIR, metric_value, validate
 from framework.errors import (LOG_FORMAT, ConfigError, Interrupted, RunLogHandler, RunlabError, error_from_exit,
                               exit_with)
 from framework.paths import create_run_dir, discard_new_run_dirs, discarded_if_refused
+from framework.startup import pause_collector, resume_collector
 from framework.results import RunResult, SweepResult
 from framework.search.summary import record_failed_job
 
@@ -36,6 +37,7 @@ def execute(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:
     from framework.tasks import TASKS
 
     validate(cfg)
+    resume_collector()  # start-up is over; what it made lives as long as the process (framework/startup.py)
     return TASKS[cfg.task](cfg, run_dir)
 
 
@@ -74,7 +76,18 @@ def cli(app: Callable[[], Any]) -> Any:
     while Hydra composes, and ``HydraReportsAgain`` (the first callback) unsets it once the config
     is composed, so that errors from then on, and the processes a run starts, are as without runlab.
     A user's own ``HYDRA_FULL_ERROR=1`` is left alone, and still shows the whole traceback.
+
+    Start-up runs without the cyclic garbage collector, until the task begins (framework/startup.py).
     """
+    pause_collector()
+    try:
+        return with_composition_errors_in_one_line(app)
+    finally:  # --help, --cfg job, a refused config: the task never began
+        resume_collector()
+
+
+def with_composition_errors_in_one_line(app: Callable[[], Any]) -> Any:
+    """``app()``, with HYDRA_FULL_ERROR set while Hydra composes: see ``cli``."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 

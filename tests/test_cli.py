@@ -1,10 +1,11 @@
 """The command line as a user types it: help, config printing, sweeps and one-line errors."""
+import gc
 import os
 
 import pytest
 import torch
 
-from conftest import one_line_error, write_csv_without_label
+from conftest import aids_on_path, one_line_error, write_csv_without_label
 from docs_pages import typed_as_shown
 from framework.entry import HydraReportsAgain, cli as cli_entry, run
 from framework.errors import CheckpointError, ConfigError
@@ -181,3 +182,29 @@ def test_a_run_refused_from_python_leaves_nothing_behind(tmp_path):
     with pytest.raises(ConfigError, match="lr=-1.0 is invalid"):
         run(["lr=-1", f"paths.output_dir={tmp_path / 'outputs'}"])
     assert not (tmp_path / "outputs").exists()
+
+
+# --- start-up without the cyclic garbage collector (framework/startup.py) -------------------------
+
+@pytest.mark.timeout(240)
+def test_the_command_line_and_each_ddp_worker_build_the_run_with_the_collector_on_and_start_up_frozen(user, tmp_path):
+    # A job in the driver's process, then a ddp job's two workers: each builds the model (usermodels.CollectorProbe)
+    # with the collector running again and start-up's objects in the permanent generation.
+    probe = tmp_path / "probe"
+    done = user.run("python run.py -m parallel=none,ddp model=custom model._target_=usermodels.CollectorProbe "
+                    "trainer.max_steps=1 logger=none trainer.progress_bar=false",
+                    env={**aids_on_path(user), "COLLECTOR_PROBE": str(probe)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    builds = [line.split() for line in probe.read_text().splitlines()]
+    assert len({pid for pid, _, _ in builds}) == len(builds) == 3
+    assert all(enabled == "True" and int(frozen) > 100_000 for _, enabled, frozen in builds), builds
+
+
+def test_a_run_from_python_leaves_the_callers_collector_as_it_was(train):
+    gc.disable()  # a notebook's own choice
+    try:
+        frozen = gc.get_freeze_count()  # objects frozen before (by an in-process cli call) may die since
+        train("trainer.max_steps=1")
+        assert not gc.isenabled() and gc.get_freeze_count() <= frozen
+    finally:
+        gc.enable()

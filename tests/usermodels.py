@@ -1,4 +1,7 @@
 """A user's own model, outside the framework, for the `model._target_=...` tests."""
+import gc
+import os
+
 from torch import nn
 
 
@@ -26,3 +29,13 @@ class TorchvisionStyleNet(nn.Module):
     def forward(self, x):
         x = self.layer1(self.bn1(self.conv1(x)).relu())
         return self.fc(self.pool(x).flatten(1))
+
+
+class CollectorProbe(TinyNet):
+    """TinyNet that notes, when the run builds it, whether the cyclic garbage collector runs and how many
+    objects start-up froze (framework/startup.py): a line "pid enabled frozen" per process, in $COLLECTOR_PROBE."""
+
+    def __init__(self, num_classes: int, hidden: int = 16):
+        super().__init__(num_classes, hidden)
+        with open(os.environ["COLLECTOR_PROBE"], "a") as probe:
+            probe.write(f"{os.getpid()} {gc.isenabled()} {gc.get_freeze_count()}\n")
