@@ -6,7 +6,7 @@
   Hydra app 1 step       the same script inside the smallest @hydra.main app (one 3-key YAML), writing
                          its checkpoint into Hydra's run dir: the floor of any Hydra app
   ... collector paused   the same app starting as runlab does (framework/startup.py): the cyclic
-                         garbage collector off until the job begins, then start-up frozen
+                         garbage collector off until the job has imported torch, then start-up frozen
   run.py max_steps=1     the same job as runlab runs it by default (TensorBoard, checkpoints, test)
   run.py --help          printing the help: needs no torch
   run.py --cfg job       printing the composed config: needs no torch
@@ -59,7 +59,8 @@ if PAUSED:
 @hydra.main(version_base=None, config_path=".", config_name="config")
 def main(cfg):
     import sys
-    if PAUSED:
+    if PAUSED:  # as runlab's execute: its imports (torch among them) are done by then
+        import numpy, torch
         gc.freeze()
         gc.enable()
     sys.argv[1:] = [HydraConfig.get().runtime.output_dir]

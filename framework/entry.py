@@ -23,9 +23,9 @@ from framework.config import CONF_DIR, metric_value, validate
 from framework.errors import (LOG_FORMAT, ConfigError, Interrupted, RunLogHandler, RunlabError, error_from_exit,
                               exit_with)
 from framework.paths import create_run_dir, discard_new_run_dirs, discarded_if_refused
-from framework.startup import pause_collector, resume_collector
 from framework.results import RunResult, SweepResult
 from framework.search.summary import record_failed_job
+from framework.startup import freeze_start_up, pause_collector
 
 log = logging.getLogger("framework")
 
@@ -37,7 +37,7 @@ def execute(cfg: DictConfig, run_dir: Path) -> Dict[str, float]:
     from framework.tasks import TASKS
 
     validate(cfg)
-    resume_collector()  # start-up is over; what it made lives as long as the process (framework/startup.py)
+    freeze_start_up()  # what start-up made lives as long as the process (framework/startup.py)
     return TASKS[cfg.task](cfg, run_dir)
 
 
@@ -77,13 +77,14 @@ def cli(app: Callable[[], Any]) -> Any:
     is composed, so that errors from then on, and the processes a run starts, are as without runlab.
     A user's own ``HYDRA_FULL_ERROR=1`` is left alone, and still shows the whole traceback.
 
-    Start-up runs without the cyclic garbage collector, until the task begins (framework/startup.py).
+    The process's start-up runs without the cyclic garbage collector's passes (framework/startup.py):
+    ``cli`` is the entry point of the process it runs in.
     """
     pause_collector()
     try:
         return with_composition_errors_in_one_line(app)
-    finally:  # --help, --cfg job, a refused config: the task never began
-        resume_collector()
+    finally:  # --help, --cfg job, a refused config: no task began
+        freeze_start_up()
 
 
 def with_composition_errors_in_one_line(app: Callable[[], Any]) -> Any:
@@ -123,6 +124,7 @@ class HydraReportsAgain(Callback):
         from hydra.errors import HydraException
         from omegaconf.errors import OmegaConfBaseException
 
+        freeze_start_up()  # the driver may run no trial itself (Ray, SLURM), and may run for days
         if not HydraReportsAgain.raising_for_cli:
             return
         try:

@@ -59,7 +59,9 @@ def test_a_bad_value_stops_with_one_line_and_exit_code_2(user):
 
 
 def test_the_command_line_leaves_hydra_full_error_as_it_found_it(monkeypatch):
-    # As after --cfg job or --help, where no callback hands reporting back to Hydra.
+    # As after --cfg job or --help, where no callback hands reporting back to Hydra. (cli is a process's entry
+    # point: here it leaves pytest's garbage collector alone, test_a_run_from_python_... checks why.)
+    monkeypatch.setattr("framework.entry.pause_collector", lambda: None)
     seen = []
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     cli_entry(lambda: seen.append(os.environ.get("HYDRA_FULL_ERROR")))
@@ -187,24 +189,28 @@ def test_a_run_refused_from_python_leaves_nothing_behind(tmp_path):
 # --- start-up without the cyclic garbage collector (framework/startup.py) -------------------------
 
 @pytest.mark.timeout(240)
-def test_the_command_line_and_each_ddp_worker_build_the_run_with_the_collector_on_and_start_up_frozen(user, tmp_path):
-    # A job in the driver's process, then a ddp job's two workers: each builds the model (usermodels.CollectorProbe)
-    # with the collector running again and start-up's objects in the permanent generation.
+def test_a_sweep_its_job_and_each_ddp_worker_run_with_the_collector_on_and_start_up_frozen(user, tmp_path):
+    # The sweep's driver as it starts (before any job: its trials may run elsewhere, on Ray or SLURM), a job in
+    # its process, then a ddp job's two workers, each as it builds the model: usermodels.CollectorProbe*.
     probe = tmp_path / "probe"
     done = user.run("python run.py -m parallel=none,ddp model=custom model._target_=usermodels.CollectorProbe "
+                    "+hydra.callbacks.collector_probe._target_=usermodels.CollectorProbeAtSweepStart "
                     "trainer.max_steps=1 logger=none trainer.progress_bar=false",
                     env={**aids_on_path(user), "COLLECTOR_PROBE": str(probe)})
     assert done.returncode == 0, done.stderr[-3000:]
-    builds = [line.split() for line in probe.read_text().splitlines()]
-    assert len({pid for pid, _, _ in builds}) == len(builds) == 3
-    assert all(enabled == "True" and int(frozen) > 100_000 for _, enabled, frozen in builds), builds
+    seen = [line.split() for line in probe.read_text().splitlines()]
+    assert [where for *_, where in seen] == ["sweep", "model", "model", "model"]
+    assert len({pid for pid, *_ in seen}) == 3  # the driver's (sweep, the first job), each worker's
+    assert all(enabled == "True" and int(frozen) > 100_000 for _, enabled, frozen, _ in seen), seen
 
 
-def test_a_run_from_python_leaves_the_callers_collector_as_it_was(train):
-    gc.disable()  # a notebook's own choice
+@pytest.mark.parametrize("enabled", [True, False])  # a notebook's own choice
+def test_a_run_from_python_leaves_the_callers_collector_as_it_was(train, enabled):
+    was = gc.isenabled()
+    gc.enable() if enabled else gc.disable()
     try:
-        frozen = gc.get_freeze_count()  # objects frozen before (by an in-process cli call) may die since
+        frozen = gc.get_freeze_count()
         train("trainer.max_steps=1")
-        assert not gc.isenabled() and gc.get_freeze_count() <= frozen
+        assert gc.isenabled() == enabled and gc.get_freeze_count() <= frozen  # frozen objects may die meanwhile
     finally:
-        gc.enable()
+        gc.enable() if was else gc.disable()

@@ -1,7 +1,8 @@
-"""A user's own model, outside the framework, for the `model._target_=...` tests."""
+"""A user's own model, outside the framework, for the `model._target_=...` tests (and a callback of their own)."""
 import gc
 import os
 
+from hydra.experimental.callback import Callback
 from torch import nn
 
 
@@ -33,9 +34,20 @@ class TorchvisionStyleNet(nn.Module):
 
 class CollectorProbe(TinyNet):
     """TinyNet that notes, when the run builds it, whether the cyclic garbage collector runs and how many
-    objects start-up froze (framework/startup.py): a line "pid enabled frozen" per process, in $COLLECTOR_PROBE."""
+    objects start-up froze (framework/startup.py): a line "pid enabled frozen model" in $COLLECTOR_PROBE."""
 
     def __init__(self, num_classes: int, hidden: int = 16):
         super().__init__(num_classes, hidden)
-        with open(os.environ["COLLECTOR_PROBE"], "a") as probe:
-            probe.write(f"{os.getpid()} {gc.isenabled()} {gc.get_freeze_count()}\n")
+        note_collector("model")
+
+
+class CollectorProbeAtSweepStart(Callback):
+    """A Hydra callback noting the same when a sweep starts, before its first job: "pid enabled frozen sweep"."""
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        note_collector("sweep")
+
+
+def note_collector(where: str) -> None:
+    with open(os.environ["COLLECTOR_PROBE"], "a") as probe:
+        probe.write(f"{os.getpid()} {gc.isenabled()} {gc.get_freeze_count()} {where}\n")

@@ -49,7 +49,7 @@ from framework.parallel import Compile, Environment, Mode, Task, compiled, resol
 from framework.paths import LOCK_FILE
 from framework.private_apis import zero_gradient_buckets
 from framework.signals import STOP_SIGNALS
-from framework.startup import pause_collector, resume_collector
+from framework.startup import freeze_start_up, pause_collector
 
 log = logging.getLogger(__name__)
 
@@ -408,7 +408,7 @@ def die_with_launcher(launcher: int) -> None:
 
 def _worker(rank: int, ddp: DDP, world_size: int, port: int, config: dict, run_dir: str, task: Task, reports,
             launcher: int) -> None:
-    pause_collector()  # until it joined the group (framework/startup.py)
+    pause_collector()  # until it joined the group (framework/startup.py; its imports came while unpickling)
     die_with_launcher(launcher)
     # Out of the terminal's process group: Ctrl-C reaches the launcher alone, which forwards it once.
     os.setpgrp()
@@ -433,7 +433,7 @@ def _worker(rank: int, ddp: DDP, world_size: int, port: int, config: dict, run_d
         signal.signal(signum, stop)
     try:
         env = join_group(ddp, cfg, rank, world_size, rank)
-        resume_collector()
+        freeze_start_up()
         try:
             result = task(cfg, run_path, env)
             ended.set()
