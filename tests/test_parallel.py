@@ -257,8 +257,8 @@ def test_the_docs_torchrun_command_equals_one_device_in_one_run_dir(train, user)
 @pytest.mark.usefixtures("source_tree_stays_clean")
 def test_two_torchrun_nodes_on_localhost_are_one_fsdp_run_equal_to_one_device_in_one_run_dir(reference, user, tmp_path):
     # Two machines, as a user types it on each: torchrun with node_rank 0 and 1, one process each. fsdp
-    # joins torchrun's group through ddp's own code (as in the SLURM job below), so this covers ddp on
-    # two nodes too; ddp under torchrun on one node is the docs' command above.
+    # joins torchrun's group through ddp's own code (as in the SLURM job below), so ddp's joining on two
+    # nodes is covered too; ddp's wrapping under torchrun is the docs' one-node command above.
     port = free_port()
     nodes = [user.start(shlex.join(["torchrun", "--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=1",
                                     "--master_addr=127.0.0.1", f"--master_port={port}", "run.py", "parallel=fsdp",
