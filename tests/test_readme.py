@@ -118,11 +118,11 @@ def reader(tmp_path_factory) -> UserShell:
 
 
 def test_the_readme_format_is_understood():
-    commands = [step.command.split(" #")[0].strip() for step in STEPS if step.command and not step.needs]
+    commands = [step.typed for step in STEPS if step.command and not step.needs]
     assert len(commands) >= 20 and "python run.py -m lr=1e-3,1e-4" in commands
     assert set(RUN_BY_THEIR_OWN_TEST) <= {step.typed for step in STEPS if not step.needs}  # each still a step, its test still named
     assert all(name.split("::")[1] in (REPO / name.split("::")[0]).read_text() for name in RUN_BY_THEIR_OWN_TEST.values())
-    readme = [step.command.split(" #")[0].strip() for step in STEPS if step.block.file == "README.md" and step.command]
+    readme = [step.typed for step in STEPS if step.block.file == "README.md" and step.command]
     assert {"python run.py parallel=ddp", "python run.py -m lr=1e-3,1e-4", "python run.py experiment=digits_cnn",
             "make run", "make test"} <= set(readme)  # the card's commands, on the README itself
     assert len(documents()) > 10 and all((REPO / page).is_file() for page in documents())
