@@ -430,7 +430,8 @@ class InMemoryBatches:
     def __iter__(self) -> Iterator[Any]:
         for index in self.plan:
             index = index.to(self.tensors[0].device)
-            yield tuple(tensor[index] for tensor in self.tensors)
+            # index_select, not tensor[index]: the same rows, without advanced indexing's dispatch (~18 µs a step here)
+            yield tuple(tensor.index_select(0, index) for tensor in self.tensors)
 
 
 class _BatchedTensors(Dataset):

@@ -27,6 +27,7 @@ from framework.errors import ConfigError
 from framework.nonfinite import NonFiniteGuard
 from framework.objective import Objective
 from framework.parallel import Environment
+from framework.private_apis import one_kernel_total_norm
 from framework.troubleshoot.oom import OOMRecovery
 
 
@@ -82,6 +83,11 @@ class TrainStep:
         self.objective = objective
         self.model = model  # the wrapped model: under ddp a failed step may wrap it anew (after_failed_step)
         self.parameters = list(model.parameters())  # listed once: walking the modules costs more than the norm
+        # Plain tensors on one device, of one dtype (most models): their norm is one kernel. Sharded (fsdp)
+        # or spread over devices (parallel=model), torch groups them.
+        one_group = len({(p.device, p.dtype) for p in self.parameters}) == 1
+        plain = all(type(p) is nn.Parameter for p in self.parameters)
+        self.total_norm = one_kernel_total_norm if one_group and plain else torch.nn.utils.get_total_norm
         self.precision = Precision(str(cfg.trainer.precision), env.device)
         self.clip = cfg.trainer.gradient_clip_val
         self.configured_sizes = configured_micro_batch(cfg, env.world_size), cfg.data.eval_batch_size
@@ -146,10 +152,13 @@ class TrainStep:
         """The gradients' total norm (clipped to trainer.gradient_clip_val when set), as a tensor: no host sync."""
         self.precision.scaler.unscale_(self.optimizer)
         parameters = [p for p in self.parameters if p.grad is not None]
-        # Over sharded gradients (fsdp) the norm is already the whole model's; full_tensor makes it a plain tensor.
+        if not parameters:  # everything frozen, or a step whose loss reached no parameter
+            return torch.zeros((), device=self.env.device)
+        norm = self.total_norm([p.grad for p in parameters])
         if self.clip:
-            return self.env.full_tensor(torch.nn.utils.clip_grad_norm_(parameters, self.clip))
-        return self.env.full_tensor(torch.nn.utils.get_total_norm([p.grad for p in parameters]))
+            torch.nn.utils.clip_grads_with_norm_(parameters, self.clip, norm)
+        # Over sharded gradients (fsdp) the norm is already the whole model's; full_tensor makes it a plain tensor.
+        return self.env.full_tensor(norm)
 
     @property
     def lr(self) -> float:

@@ -26,7 +26,7 @@ from torch import nn
 
 from conftest import REPO
 from framework.private_apis import (compiled_original, distribution_from_config, heartbeat_ages, job_error,
-                                    parse_sweep_overrides, quiet_writer_thread_errors, set_submitit_executor,
+                                    one_kernel_total_norm, parse_sweep_overrides, quiet_writer_thread_errors, set_submitit_executor,
                                     summary_writer_class, trial_by_number, trial_id, uncached, zero_gradient_buckets)
 from framework.model import BATCH_NORMS, MLP
 from framework.search.study import rdb_storage
@@ -173,6 +173,16 @@ def test_the_compiled_original_is_the_module_torch_compile_was_given():
     module = nn.Linear(2, 2)
     assert compiled_original(torch.compile(module)) is module
     assert compiled_original(module) is None
+
+
+def test_the_one_kernel_total_norm_is_get_total_norms_value_to_the_bit():
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=generator) * scale for shape, scale in (((256, 64), 1e-3), ((256,), 1.0), ((10, 256), 1e3))]
+    assert torch.equal(one_kernel_total_norm(grads), torch.nn.utils.get_total_norm(grads))
+    grads[1][3] = float("inf")  # what the non-finite check reads it for
+    assert one_kernel_total_norm(grads).isinf()
+    grads[0][0, 0] = float("nan")
+    assert one_kernel_total_norm(grads).isnan()
 
 
 def test_the_public_batch_norms_are_all_of_torchs():
