@@ -343,6 +343,7 @@ class TimmModelConfig(Option):
 class OptimizerConfig(Option):
     lr: float = II("lr")  # one learning rate, the top-level lr: what the run records and a sweep changes
     weight_decay: float = MISSING
+    fused: bool = MISSING  # runlab's: passed only to a class that takes it (optimizer.build_optimizer)
 
 
 @option("optimizer", "adamw")
@@ -656,7 +657,7 @@ def accepted_keys(target: Any) -> Optional[List[str]]:
 # scheduler.build_scheduler), and the keys of a group's option that are runlab's rather than the target's.
 RUNTIME_ARGUMENTS = {"model": ("input_shape", "num_classes"), "optimizer": ("params",), "scheduler": ("optimizer",),
                      "objective": ("output_size",), "logger": ("run_dir", "name", "monitor", "run_config")}
-RUNLAB_KEYS = {"scheduler": ("interval",), "data": tuple(LOADER_KEYS), "objective": ("monitor",)}
+RUNLAB_KEYS = {"scheduler": ("interval",), "data": tuple(LOADER_KEYS), "objective": ("monitor",), "optimizer": ("fused",)}
 
 
 def _validate_arguments(key: str, node: DictConfig, runtime: Sequence[str] = (), runlab_keys: Sequence[str] = ()) -> None:

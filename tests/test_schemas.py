@@ -34,7 +34,7 @@ def refusal(train, *overrides: str) -> str:
     ("trainer:\n  max_epoch: 3\n", "trainer.max_epoch is not a key of"),
     ("defaults:\n  - override /model: cnn\nmodel:\n  widht: 64\n",
      "model.widht is not a key of model=cnn; its keys are: channels, width, dropout, batch_norm."),
-    ("optimizer:\n  weight_decy: 0.1\n", "optimizer.weight_decy is not a key of optimizer=adamw; its keys are: lr, weight_decay."),
+    ("optimizer:\n  weight_decy: 0.1\n", "optimizer.weight_decy is not a key of optimizer=adamw; its keys are: lr, weight_decay, fused."),
 ])
 def test_a_typo_in_an_experiment_is_refused_in_one_line(train, tmp_path, yaml, expected):
     assert expected in refusal(train, experiment(tmp_path, yaml), "experiment=typo")
@@ -42,7 +42,7 @@ def test_a_typo_in_an_experiment_is_refused_in_one_line(train, tmp_path, yaml, e
 
 @pytest.mark.parametrize("override, expected", [
     ("model.widht=64", f"model.widht is not a key of model=mlp; {MLP_KEYS}"),
-    ("optimizer.weight_decy=0.1", "optimizer.weight_decy is not a key of optimizer=adamw; its keys are: lr, weight_decay."),
+    ("optimizer.weight_decy=0.1", "optimizer.weight_decy is not a key of optimizer=adamw; its keys are: lr, weight_decay, fused."),
     ("scheduler.T_mx=3", "scheduler.T_mx is not a key of scheduler=cosine; its keys are: interval, T_max."),
     ("+model.widht=64", "model.widht is not an argument of framework.model.MLP; its arguments are: width, depth, dropout, "
                         "batch_norm (and input_shape, num_classes, which runlab passes)."),

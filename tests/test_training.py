@@ -10,6 +10,7 @@ from conftest import REPO, composed, read_metrics
 from framework.checkpoint import Checkpointer, load_checkpoint
 from framework.errors import ConfigError
 from framework.entry import run
+from framework.optimizer import takes_fused
 
 # The experiments the repository holds (git tracks), not files a sweep exported there
 # (hydra.sweeper.export_dir=experiments). digits_finetune starts from a digits_pretrain run;
@@ -172,6 +173,25 @@ def test_gradient_clipping_bounds_the_update(train, clip):
         assert max(norms) == pytest.approx(clip, rel=1e-3)
     else:  # the control: unclipped, the same steps apply gradients far longer than 0.01
         assert min(norms) > 10 * 0.01
+
+
+def test_the_optimizer_updates_in_one_kernel_where_its_class_has_one(train):
+    """optimizer.fused (true by default): torch's fused update for the classes that have one; a class
+    without it (RMSprop) is built as before, not refused; optimizer.fused=false keeps torch's loop."""
+    def fused(*overrides: str):
+        _, run_dir = train("trainer.max_steps=2", "trainer.max_epochs=1", "logger=none", *overrides)
+        saved = load_checkpoint(run_dir / "checkpoints" / "last.pt")
+        return saved["optimizer"]["param_groups"][0].get("fused", "absent")
+
+    assert fused() is True
+    assert fused("optimizer=sgd") is True
+    assert fused("optimizer.fused=false") is None  # torch's default
+    assert fused("optimizer._target_=torch.optim.RMSprop") == "absent"
+
+
+def test_parameters_the_fused_update_cannot_take_get_torchs_loop():
+    assert takes_fused("torch.optim.AdamW", [{"params": [torch.nn.Parameter(torch.zeros(2))]}])  # fine-tuning's groups
+    assert not takes_fused("torch.optim.AdamW", [torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))])
 
 
 def test_metrics_json_is_one_flat_object(train):
