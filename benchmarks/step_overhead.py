@@ -11,6 +11,8 @@ CPU time (every thread of this process: TensorBoard's and the checkpoint writer'
   hand-written     a plain loop over tensors in memory: the limit
   hand-written + checkpoint  the same loop writing model and optimizer to an atomic, fsynced
                    checkpoint every epoch: the floor of a run that loses nothing on a crash
+  hand-written, unfused  the first, with torch's default AdamW, as a script would build it; the
+                   floors above use the fused one, as runlab's optimizer.fused (the default) does
   runlab defaults  framework.run(...) as the command line runs it: TensorBoard, checkpoints, progress bar
   runlab bare      logger=none checkpoint.enabled=false trainer.progress_bar=false
   lightning ...    the same job in Lightning, bare and with its defaults, only if lightning is installed
@@ -109,11 +111,11 @@ def loss_and_accuracy(model, x, y):
     return F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
 
 
-def digits_mlp(epochs: int, device: str = "cpu"):
-    """experiment=digits_mlp's model, optimizer and schedule."""
+def digits_mlp(epochs: int, device: str = "cpu", fused: bool = True):
+    """experiment=digits_mlp's model, optimizer (fused, as optimizer.fused makes it) and schedule."""
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, WIDTH), torch.nn.ReLU(),
                                 torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, 10)).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=fused)
     return model, optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
 
 
@@ -132,10 +134,10 @@ def durable_checkpoint(model, optimizer, epoch: int, directory: str) -> None:
         os.close(folder)
 
 
-def hand_written(epochs: int, checkpoint_dir: str = "", device: str = "cpu") -> None:
+def hand_written(epochs: int, checkpoint_dir: str = "", device: str = "cpu", fused: bool = True) -> None:
     torch.manual_seed(SEED)
     (train_x, train_y), (val_x, val_y), (test_x, test_y) = (tuple(t.to(device) for t in split) for split in digits_splits())
-    model, optimizer, schedule = digits_mlp(epochs, device)
+    model, optimizer, schedule = digits_mlp(epochs, device, fused)
     for epoch in range(epochs):
         model.train()
         order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(SEED + epoch)).to(device)
@@ -274,7 +276,8 @@ def main() -> None:
         overrides += ["data=custom", f"data._target_={FACTORY}", f"data.num_workers={args.workers}"]
         hand, data = (lambda: hand_written_loader(args.epochs, args.workers)), f"DataLoaders, {args.workers} workers"
     with tempfile.TemporaryDirectory() as workdir:
-        floors = {"hand-written + checkpoint": lambda: hand_written(args.epochs, tempfile.mkdtemp(dir=workdir), args.device)}
+        floors = {"hand-written + checkpoint": lambda: hand_written(args.epochs, tempfile.mkdtemp(dir=workdir), args.device),
+                  "hand-written, unfused": lambda: hand_written(args.epochs, device=args.device, fused=False)}
         ways = {"hand-written": hand, **(floors if args.loader == "memory" else {}),
                 "runlab defaults": lambda: runlab(overrides, args.epochs, workdir),
                 "runlab bare": lambda: runlab([*overrides, *BARE], args.epochs, workdir),
