@@ -213,7 +213,7 @@ def lightning_ways(epochs: int, workdir: str) -> Dict[str, Callable[[], None]]:
         test_step = validation_step
 
         def configure_optimizers(self):
-            optimizer = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+            optimizer = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
             return [optimizer], [torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)]
 
     def fit(**trainer_options) -> None:
