@@ -130,8 +130,8 @@ def one_kernel_total_norm(grads: List[Any]) -> Any:
     """``torch.nn.utils.get_total_norm(grads)``, the same value, for plain tensors on one device of
     one dtype: one ``_foreach_norm`` (what get_total_norm itself calls where it uses foreach), then
     the norm of those. get_total_norm groups the tensors by device and dtype first, and checks each
-    group's foreach support; on a small model that bookkeeping cost about 35 µs a step here, 3% of
-    the step, and torch has no public norm without it."""
+    group's foreach support: in a training step of the digits MLP here the norm took about 70 µs
+    through it and 45 µs this way (of a 1 ms step), and torch has no public norm without it."""
     import torch
 
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
