@@ -4,9 +4,11 @@ import os
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from conftest import aids_on_path, one_line_error, write_csv_without_label
 from docs_pages import typed_as_shown
+from framework.config import CONF_DIR
 from framework.entry import HydraReportsAgain, cli as cli_entry, run
 from framework.errors import CheckpointError, ConfigError
 
@@ -166,7 +168,7 @@ def test_a_foreign_checkpoint_is_refused_for_resume(train, tmp_path):
 
 
 def test_a_config_file_is_parsed_once_until_it_changes(tmp_path):
-    """The config source keeps what it parsed (run.py composes twice): each load hands out its own copy,
+    """The config source keeps what it parsed (a sweep composes once per trial): each load hands out its own copy,
     and a file edited between two compositions (a notebook's next framework.run) is read anew."""
     from hydra_plugins.runlab_config import RunlabConfigSource
 
@@ -177,6 +179,62 @@ def test_a_config_file_is_parsed_once_until_it_changes(tmp_path):
     assert source.load_config("exp").config == {"defaults": ["_self_"], "lr": 0.1}
     (tmp_path / "exp.yaml").write_text("defaults:\n  - _self_\nlr: 0.25\n")
     assert source.load_config("exp").config.lr == 0.25
+
+
+def compose_as_the_command_line(*args: str):
+    """What ``python run.py ARGS`` composes, step by step as Hydra does: ``get_mode``, then the run
+    (or multirun) with the mode Hydra adds; returns (the composition get_mode kept, the run's, the
+    run's overrides and mode)."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.types import RunMode
+
+    multirun = args[0] == "-m"
+    overrides = list(args[multirun:])
+    hydra = Hydra.create_main_hydra2("run", create_config_search_path(str(CONF_DIR)))
+    mode = hydra.get_mode("config", overrides)
+    kept = hydra.config_loader.__dict__.get("runlab_mode_composition", (None, None))[1]
+    if mode is None:  # what Hydra's _run_app adds
+        mode = RunMode.MULTIRUN if multirun else RunMode.RUN
+        overrides.append(f"hydra.mode={mode.name}")
+    return kept, hydra.compose_config("config", overrides, run_mode=mode), overrides, mode
+
+
+@pytest.mark.parametrize("args", [("trainer.max_steps=1",), ("experiment=digits_cnn", "lr=0.01"),
+                                  ("-m", "lr=1e-3,1e-2"), ("search=grid",)])
+def test_a_command_composes_its_config_once_and_runs_what_composing_anew_gives(args):
+    """Hydra composes for get_mode, drops it and composes again for the run: the run gets get_mode's
+    composition instead (compose_once), the same config a composition of its own gives."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.global_hydra import GlobalHydra
+
+    try:
+        kept, ran, overrides, mode = compose_as_the_command_line(*args)
+        GlobalHydra.instance().clear()
+        anew = Hydra.create_main_hydra2("run", create_config_search_path(str(CONF_DIR))).compose_config(
+            "config", overrides, run_mode=mode)
+    finally:
+        GlobalHydra.instance().clear()
+    assert ran is kept
+    assert OmegaConf.to_container(ran) == OmegaConf.to_container(anew)
+    assert ran.hydra.overrides.hydra == anew.hydra.overrides.hydra and ran.hydra.mode == anew.hydra.mode == mode
+
+
+@pytest.mark.parametrize("args, refusal", [(("lr=1e-3,1e-2",), "Ambiguous value for argument 'lr=1e-3,1e-2'"),
+                                           (("-m", "hydra.job.chdir=true,false"), "Sweeping over Hydra's configuration"),
+                                           (("experiment=no_model",), "You must specify 'model'")])
+def test_what_only_the_runs_composition_refuses_is_still_refused(args, refusal, tmp_path):
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException
+
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "no_model.yaml").write_text("# @package _global_\ndefaults:\n  - override /model: ???\n")
+    try:
+        with pytest.raises(ConfigCompositionException, match=refusal):
+            compose_as_the_command_line(*args, f"hydra.searchpath=[file://{tmp_path}]")
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def test_a_run_refused_from_python_leaves_nothing_behind(tmp_path):

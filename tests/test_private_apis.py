@@ -249,3 +249,23 @@ def test_hydra_ray_launchers_ray_block_is_the_schema_runlab_ray_extends():
 
     ray = OmegaConf.structured(RunlabRayLauncherConf).ray
     assert {"init", "remote"} <= set(OmegaConf.structured(RayConf)) and ray == OmegaConf.structured(RayConf)
+
+
+def test_what_compose_once_relies_on_in_hydras_config_loader():
+    """hydra_plugins/runlab_config's compose_once: the loader's call, the mode override Hydra's _run_app
+    adds, and the loader's own override application and sweep check (the end-to-end case: test_cli.py)."""
+    from hydra._internal import utils
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import ConfigCompositionException
+    from hydra.types import RunMode
+
+    assert list(inspect.signature(ConfigLoaderImpl.load_configuration).parameters) == [
+        "self", "config_name", "overrides", "run_mode", "from_shell", "validate_sweep_overrides"]
+    assert 'overrides.extend(["hydra.mode=RUN"])' in inspect.getsource(utils._run_app)
+    cfg = OmegaConf.create({"hydra": {"mode": None}})
+    ConfigLoaderImpl._apply_overrides_to_config(OverridesParser.create().parse_overrides(["hydra.mode=RUN"]), cfg)
+    assert cfg.hydra.mode == "RUN"
+    with pytest.raises(ConfigCompositionException, match="Sweeping over Hydra's configuration"):
+        ConfigLoaderImpl.validate_sweep_overrides_legal(OverridesParser.create().parse_overrides(["hydra.verbose=true,false"]),
+                                                        RunMode.MULTIRUN, from_shell=True)

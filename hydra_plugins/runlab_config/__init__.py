@@ -9,20 +9,22 @@ it change anything, and then it adds what runlab's app reads:
   ``ConfigFileError`` naming the file, line and column, which the command line prints as it prints
   every composition error (one line, exit code 1) and ``framework.run`` raises as the
   ``ConfigError`` it also is. It keeps each file it parsed, for as long as the file is unchanged:
-  ``run.py`` composes twice (Hydra's ``get_mode``, then the run), a notebook once per
-  ``framework.run``, and parsing the YAML was about a sixth of each composition.
+  a sweep composes once per trial, a notebook once per ``framework.run``, and parsing the YAML
+  was about a sixth of each composition.
 - ``RunlabSchemaSource`` (``runlab-schema://``) holds runlab's typed schemas (framework/config.py),
   which conf/ extends by name (``- /DigitsDataConfig@_here_``). They stay out of Hydra's
   ConfigStore, which every app of the process shares.
 - ``SharedConfigStore``: Hydra's copies of the ConfigStore, shared instead (see there).
+- ``compose_once``: the composition Hydra makes to read the run mode is the one the run gets.
 
 Another app sees none of it: no source, no schema, no resolver, and ``framework`` is not imported
 (tests/test_neighbour.py).
 
 ``RunlabConfigSource`` extends ``hydra._internal``'s ``FileConfigSource`` (and uses the protected
 ``_normalize_file_name`` and ``_list_add_result`` of Hydra's ``ConfigSource``): Hydra offers no public
-file source. It is the one private API that is not in framework/private_apis.py, since this module
-may not import ``framework``; tests/test_private_apis.py pins it with the others.
+file source. ``compose_once`` wraps ``hydra._internal``'s ``ConfigLoaderImpl.load_configuration``. These
+are the private APIs that are not in framework/private_apis.py, since this module may not import
+``framework``; tests/test_private_apis.py pins them with the others.
 """
 import copy
 import importlib.util
@@ -56,6 +58,72 @@ class RunlabSearchPath(SearchPathPlugin):
         store = ConfigStore.instance()
         if type(store) is ConfigStore:
             store.__class__ = SharedConfigStore
+        compose_once()
+
+
+def compose_once() -> None:
+    """Hydra composes a command's config twice: ``get_mode`` composes it as for a multirun to read
+    ``hydra.mode`` and drops it, then the run (or multirun) composes it again with ``hydra.mode=RUN``
+    (or ``MULTIRUN``) added to the overrides where the config set no mode: about 0.1-0.15 s each for
+    runlab's config. The two differ only where the second refuses what the first let through (a
+    sweep without ``-m``, a sweep of Hydra's own keys, a group left ``???``) and in that one
+    override. So where nothing is refused, the run is handed the composition ``get_mode`` made,
+    with the mode override applied as Hydra applies one; once, since Hydra changes it as it runs.
+    Installed only where runlab's app runs, and acting only for loaders of runlab's search path."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    if getattr(ConfigLoaderImpl.load_configuration, "composes_once", False):
+        return
+    compose = ConfigLoaderImpl.load_configuration
+
+    def load_configuration(self, config_name, overrides, run_mode, from_shell=True, validate_sweep_overrides=True):
+        kept = self.__dict__.pop("runlab_mode_composition", None)
+        if not any(element.provider == "runlab" for element in self.config_search_path.get_path()):
+            return compose(self, config_name, overrides, run_mode, from_shell, validate_sweep_overrides)
+        if kept is not None:
+            (kept_name, kept_overrides, kept_shell), cfg = kept
+            added = overrides[len(kept_overrides):]
+            if (kept_name, kept_shell, overrides[:len(kept_overrides)]) == (config_name, from_shell, kept_overrides) \
+                    and added in ([], [f"hydra.mode={run_mode.name}"]) and same_as_composed(cfg, overrides, run_mode, from_shell):
+                return with_overrides(cfg, added)
+        cfg = compose(self, config_name, overrides, run_mode, from_shell, validate_sweep_overrides)
+        if not validate_sweep_overrides:  # get_mode's call, the only one that skips the sweep check
+            self.runlab_mode_composition = (config_name, list(overrides), from_shell), cfg
+        return cfg
+
+    load_configuration.composes_once = True
+    ConfigLoaderImpl.load_configuration = load_configuration
+
+
+def with_overrides(cfg: Any, lines: List[str]) -> Any:
+    """``cfg`` with Hydra overrides (``hydra.mode=RUN``) applied and recorded, as Hydra's composition does."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    ConfigLoaderImpl._apply_overrides_to_config(OverridesParser.create().parse_overrides(lines), cfg)
+    cfg.hydra.overrides.hydra.extend(lines)
+    return cfg
+
+
+def same_as_composed(cfg: Any, overrides: List[str], run_mode: Any, from_shell: bool) -> bool:
+    """Whether composing for ``run_mode`` would give ``cfg``, which was composed as for a multirun
+    without the sweep check: Hydra's composition differs by mode only in that check and in that a
+    multirun skips a group left ``???``, where a run refuses it."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import ConfigCompositionException
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    if run_mode == RunMode.RUN:
+        choices = OmegaConf.to_container(cfg.hydra.runtime.choices)  # a group left ??? reads as "???"
+        return not any(o.is_sweep_override() for o in parsed) and "???" not in choices.values()
+    try:
+        ConfigLoaderImpl.validate_sweep_overrides_legal(parsed, run_mode, from_shell)
+    except ConfigCompositionException:
+        return False
+    return True
 
 
 class SharedConfigStore(ConfigStore):
