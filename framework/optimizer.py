@@ -1,11 +1,11 @@
 """Optimizers (conf/optimizer/): any ``torch.optim`` class named in ``_target_``, built with the
 option's keys and ``params=`` the model's trainable parameters (or fine-tuning's groups).
 
-``fused`` is runlab's key, not always the class's: where the class takes ``fused`` (Adam, AdamW,
-SGD, ...) and every parameter is floating point, it gets ``fused=True``, torch's implementation
-that updates all parameters in one kernel instead of a loop of small ops per parameter: the
-same update up to rounding, about 3x faster for Adam(W) on a small model on the CPU here. Another class
-(``optimizer._target_=torch.optim.RMSprop``) is built without it."""
+``fused`` is runlab's key, not always the class's: where the fused update fits (``fused_update_fits``)
+the class gets ``fused=True``, torch's implementation that updates all parameters in one kernel
+instead of a loop of small ops per parameter: the same update up to rounding, about 3x faster for
+Adam(W) on a small model on the CPU here. Elsewhere (``optimizer._target_=torch.optim.RMSprop``,
+fsdp's sharded parameters, ...) the optimizer is built as without it."""
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional
@@ -29,7 +29,7 @@ def build_optimizer(cfg: DictConfig, model: nn.Module,
     """``param_groups`` (fine-tuning) may carry an ``lr_factor`` that scales the configured rate."""
     params = param_groups or trainable_parameters(model)
     option = OmegaConf.to_container(cfg, resolve=True)
-    if option.pop("fused") and takes_fused(option["_target_"], params):
+    if option.pop("fused") and fused_update_fits(option, params, model):
         option["fused"] = True
     # "all": the groups reach torch as the dicts they are (OmegaConf would make each a DictConfig).
     optimizer = instantiate(option, params=params, _convert_="all")
@@ -38,10 +38,27 @@ def build_optimizer(cfg: DictConfig, model: nn.Module,
     return optimizer
 
 
-def takes_fused(target: str, params: List[Any]) -> bool:
-    """Whether the class has a fused implementation (a ``fused`` argument) that takes these parameters."""
+def fused_update_fits(option: Dict[str, Any], params: List[Any], model: nn.Module) -> bool:
+    """Whether torch's fused update can take this optimizer: its class has one (a ``fused`` argument),
+    none of the options torch refuses beside it is set, and it can update these parameters."""
+    if "fused" not in (accepted_keys(get_object(option["_target_"])) or ()):
+        return False
+    if option.get("foreach") or option.get("differentiable"):
+        return False
     tensors = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
-    return "fused" in (accepted_keys(get_object(target)) or ()) and all(p.is_floating_point() for p in tensors)
+    # Plain floating-point tensors: torch shards the fused update of Adam and AdamW only (not SGD's) over
+    # fsdp's DTensors, and it has no sparse gradients (nn.Embedding(sparse=True)).
+    plain = all(type(p) is nn.Parameter and p.is_floating_point() for p in tensors)
+    return plain and not any(getattr(module, "sparse", False) is True for module in model.modules())
+
+
+def with_this_update(state: Dict[str, Any], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """An optimizer's saved ``state`` with each group's ``fused`` flag this optimizer's: torch moves a
+    loaded step count to its parameter's device only where the loaded group says fused, so a checkpoint
+    of the unfused update resumed by the fused one on a GPU would step with its counts on the CPU."""
+    groups = [{**saved, **({"fused": group["fused"]} if "fused" in group else {})}
+              for saved, group in zip(state["param_groups"], optimizer.param_groups)]
+    return {**state, "param_groups": groups}
 
 
 def configured_groups(optimizer: torch.optim.Optimizer) -> List[Dict[str, Any]]:

@@ -87,7 +87,7 @@ class TrainStep:
         # or spread over devices (parallel=model), torch groups them.
         one_group = len({(p.device, p.dtype) for p in self.parameters}) == 1
         plain = all(type(p) is nn.Parameter for p in self.parameters)
-        self.total_norm = one_kernel_total_norm if one_group and plain else torch.nn.utils.get_total_norm
+        self.norm_of = one_kernel_total_norm if one_group and plain else torch.nn.utils.get_total_norm
         self.precision = Precision(str(cfg.trainer.precision), env.device)
         self.clip = cfg.trainer.gradient_clip_val
         self.configured_sizes = configured_micro_batch(cfg, env.world_size), cfg.data.eval_batch_size
@@ -154,7 +154,7 @@ class TrainStep:
         parameters = [p for p in self.parameters if p.grad is not None]
         if not parameters:  # everything frozen, or a step whose loss reached no parameter
             return torch.zeros((), device=self.env.device)
-        norm = self.total_norm([p.grad for p in parameters])
+        norm = self.norm_of([p.grad for p in parameters])
         if self.clip:
             torch.nn.utils.clip_grads_with_norm_(parameters, self.clip, norm)
         # Over sharded gradients (fsdp) the norm is already the whole model's; full_tensor makes it a plain tensor.

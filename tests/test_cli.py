@@ -190,7 +190,7 @@ def compose_as_the_command_line(*args: str):
     from hydra.types import RunMode
 
     multirun = args[0] == "-m"
-    overrides = list(args[multirun:])
+    overrides = list(args[1:] if multirun else args)
     hydra = Hydra.create_main_hydra2("run", create_config_search_path(str(CONF_DIR)))
     mode = hydra.get_mode("config", overrides)
     kept = hydra.config_loader.__dict__.get("runlab_mode_composition", (None, None))[1]

@@ -260,9 +260,16 @@ def test_what_compose_once_relies_on_in_hydras_config_loader():
     from hydra.errors import ConfigCompositionException
     from hydra.types import RunMode
 
-    assert list(inspect.signature(ConfigLoaderImpl.load_configuration).parameters) == [
+    from hydra._internal.hydra import Hydra
+
+    assert list(inspect.signature(ConfigLoaderImpl.load_configuration).parameters) == [  # Hydra's (__wrapped__)
         "self", "config_name", "overrides", "run_mode", "from_shell", "validate_sweep_overrides"]
-    assert 'overrides.extend(["hydra.mode=RUN"])' in inspect.getsource(utils._run_app)
+    assert "validate_sweep_overrides=False" in inspect.getsource(Hydra.get_mode)  # how compose_once knows its call
+    for mode in ("RUN", "MULTIRUN"):
+        assert f'overrides.extend(["hydra.mode={mode}"])' in inspect.getsource(utils._run_app)
+    # The mode reaches the composition in two places only: the sweep check and skip_missing.
+    composition = inspect.getsource(ConfigLoaderImpl._load_configuration_impl)
+    assert composition.count("run_mode") == 4 and "skip_missing=run_mode == RunMode.MULTIRUN" in composition
     cfg = OmegaConf.create({"hydra": {"mode": None}})
     ConfigLoaderImpl._apply_overrides_to_config(OverridesParser.create().parse_overrides(["hydra.mode=RUN"]), cfg)
     assert cfg.hydra.mode == "RUN"

@@ -10,7 +10,8 @@ from conftest import REPO, composed, read_metrics
 from framework.checkpoint import Checkpointer, load_checkpoint
 from framework.errors import ConfigError
 from framework.entry import run
-from framework.optimizer import takes_fused
+from framework.optimizer import fused_update_fits
+from framework.parallel import Environment
 
 # The experiments the repository holds (git tracks), not files a sweep exported there
 # (hydra.sweeper.export_dir=experiments). digits_finetune starts from a digits_pretrain run;
@@ -189,9 +190,38 @@ def test_the_optimizer_updates_in_one_kernel_where_its_class_has_one(train):
     assert fused("optimizer._target_=torch.optim.RMSprop") == "absent"
 
 
-def test_parameters_the_fused_update_cannot_take_get_torchs_loop():
-    assert takes_fused("torch.optim.AdamW", [{"params": [torch.nn.Parameter(torch.zeros(2))]}])  # fine-tuning's groups
-    assert not takes_fused("torch.optim.AdamW", [torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))])
+def test_what_the_fused_update_cannot_take_gets_torchs_loop():
+    adamw, model = {"_target_": "torch.optim.AdamW"}, torch.nn.Linear(2, 2)
+    assert fused_update_fits(adamw, [{"params": list(model.parameters())}], model)  # fine-tuning's groups
+    assert not fused_update_fits(adamw, [torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))], model)
+    assert not fused_update_fits({**adamw, "foreach": True}, list(model.parameters()), model)  # torch refuses both
+    sparse = torch.nn.Embedding(4, 2, sparse=True)
+    assert not fused_update_fits({"_target_": "torch.optim.SGD"}, list(sparse.parameters()), sparse)
+
+
+def test_an_unfused_updates_state_is_loaded_as_the_fused_update_needs_it():
+    """torch puts a loaded step count where the fused update reads it (the parameter's device, float32) only
+    where the saved group says fused. A float64 count stands for one on another device: both move together."""
+    model = torch.nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    unfused = torch.optim.AdamW(model.parameters(), fused=False)
+    unfused.step()
+    state = unfused.state_dict()
+    for saved in state["state"].values():
+        saved["step"] = saved["step"].double()
+    fused = torch.optim.AdamW(model.parameters(), fused=True)
+    Environment(torch.device("cpu")).load_optimizer_state(model, fused, state)
+    assert [saved["step"].dtype for saved in fused.state.values()] == [torch.float32, torch.float32]
+    fused.step()
+
+
+def test_a_run_of_the_unfused_update_resumes_with_the_fused_one(train):
+    """What a checkpoint written before optimizer.fused, or with it false, becomes on resume: its state under
+    the update this config builds (on a GPU, torch then moves each step count to its parameter's device)."""
+    _, first = train("trainer.max_epochs=1", "logger=none", "optimizer.fused=false")
+    _, resumed = train("trainer.max_epochs=2", "logger=none", f"resume={first / 'checkpoints' / 'last.pt'}")
+    saved = load_checkpoint(resumed / "checkpoints" / "last.pt")
+    assert saved["epoch"] == 2 and saved["optimizer"]["param_groups"][0]["fused"] is True
 
 
 def test_metrics_json_is_one_flat_object(train):

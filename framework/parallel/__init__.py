@@ -27,6 +27,7 @@ from torch import nn
 
 from framework.checkpoint import load_checkpoint
 from framework.errors import ConfigError, instantiate
+from framework.optimizer import with_this_update
 from framework.private_apis import compiled_original
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class Environment:
         return optimizer.state_dict()
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(with_this_update(state, optimizer))
 
     def shard_writer(self) -> Optional[Callable[[Dict[str, Any], Path], None]]:
         """What writes a checkpoint of which each process writes its own shards (checkpoint.sharded=true,
