@@ -277,7 +277,9 @@ def test_a_checkpoint_with_the_marker_but_missing_keys_is_one_line(train, tmp_pa
 
 # --- signals -------------------------------------------------------------------------------------
 
-SIGNALLED = ["trainer.max_epochs=6", "model.dropout=0.2", "early_stopping.enabled=false", *QUICK]
+# Enough epochs (about 20 ms each here) that the signal, sent 0.1 s after the first checkpoint, lands in
+# training: with 6 the run could finish first.
+SIGNALLED = ["trainer.max_epochs=40", "model.dropout=0.2", "early_stopping.enabled=false", *QUICK]
 
 
 @pytest.fixture(scope="module")
