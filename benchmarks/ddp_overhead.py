@@ -98,8 +98,7 @@ def hand_written_model(input_dim: int, width: int, depth: int) -> nn.Module:
 def synthetic_splits(args: SimpleNamespace):
     """The tensors runlab's data=synthetic builds for this job: train and validation, standardised."""
     n = num_samples(args.steps, args.batch)
-    spec = SimpleNamespace(input_shape=[args.input], num_classes=NUM_CLASSES, class_sep=1.0, noise=1.0, num_samples=n)
-    x, y = make_synthetic(spec, SEED)
+    x, y = make_synthetic(n, [args.input], NUM_CLASSES, class_sep=1.0, noise=1.0, seed=SEED)
     train_i, val_i, _ = split_indices(n, VAL_SAMPLES / n, 0.0, 0)
     train_x, val_x = standardize(x[train_i], x[val_i])
     return torch.from_numpy(train_x), torch.from_numpy(y[train_i]), torch.from_numpy(val_x), torch.from_numpy(y[val_i])
