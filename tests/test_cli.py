@@ -221,6 +221,27 @@ def test_a_command_composes_its_config_once_and_runs_what_composing_anew_gives(a
     assert ran.hydra.overrides.hydra == anew.hydra.overrides.hydra and ran.hydra.mode == anew.hydra.mode == mode
 
 
+def test_a_default_written_as_an_interpolation_still_resolves_once_runlab_composed(tmp_path):
+    """Hydra's map of group choices is built only for a defaults list with an interpolated entry
+    (interpolation_map_when_read): another app's such default, composed in the same process after
+    runlab's config, resolves against the choices made before it."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal import defaults_list
+
+    from framework.entry import compose as compose_runlab
+
+    compose_runlab(["trainer.max_steps=1"])
+    assert getattr(defaults_list._create_interpolation_map, "when_read", False)
+    for path, text in {"config.yaml": "defaults:\n  - db: mysql\n  - schema: ${db}\n  - _self_\n",
+                       "db/mysql.yaml": "driver: mysql\n", "schema/mysql.yaml": "tables: 3\n",
+                       "schema/sqlite.yaml": "tables: 1\n", "db/sqlite.yaml": "driver: sqlite\n"}.items():
+        (tmp_path / path).parent.mkdir(exist_ok=True)
+        (tmp_path / path).write_text(text)
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        assert OmegaConf.to_container(compose("config")) == {"db": {"driver": "mysql"}, "schema": {"tables": 3}}
+        assert compose("config", overrides=["db=sqlite"]).schema.tables == 1
+
+
 @pytest.mark.parametrize("args, refusal", [(("lr=1e-3,1e-2",), "Ambiguous value for argument 'lr=1e-3,1e-2'"),
                                            (("-m", "hydra.job.chdir=true,false"), "Sweeping over Hydra's configuration"),
                                            (("experiment=no_model",), "You must specify 'model'")])

@@ -276,3 +276,16 @@ def test_what_compose_once_relies_on_in_hydras_config_loader():
     with pytest.raises(ConfigCompositionException, match="Sweeping over Hydra's configuration"):
         ConfigLoaderImpl.validate_sweep_overrides_legal(OverridesParser.create().parse_overrides(["hydra.verbose=true,false"]),
                                                         RunMode.MULTIRUN, from_shell=True)
+
+
+def test_what_interpolation_map_when_read_relies_on_in_hydras_defaults_tree():
+    """hydra_plugins/runlab_config's interpolation_map_when_read: the map's builder and the one place
+    it is read, for children that are interpolated defaults (the end-to-end case: test_cli.py)."""
+    from hydra._internal import defaults_list
+
+    assert list(inspect.signature(defaults_list._create_interpolation_map).parameters) == [  # Hydra's (__wrapped__)
+        "overrides", "defaults_list", "self_added"]
+    tree = inspect.getsource(defaults_list._create_defaults_tree_impl)
+    assert "known_choices = _create_interpolation_map(overrides, defaults_list, self_added)" in tree
+    assert tree.count("known_choices") == 2 and "dd.is_interpolation():\n            dd.resolve_interpolation(known_choices)" in tree
+    assert "if d.is_interpolation():\n                    children.append(d)" in tree  # its only interpolated children
