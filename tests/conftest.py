@@ -47,7 +47,7 @@ def train(tmp_path):
 
 # The longest files first (seconds of test time in CI): `make test` gives whole files to 2 workers in
 # collection order, so a long file collected late would run alone at the end while the other worker waits.
-LONGEST_FIRST = ["test_readme.py", "test_search.py", "test_faults.py", "test_examples.py", "test_parallel.py",
+LONGEST_FIRST = ["test_readme.py", "test_search.py", "test_benchmarks.py", "test_faults.py", "test_examples.py", "test_parallel.py",
                  "test_sweep_drivers.py", "test_fsdp.py", "test_compile.py", "test_schedule.py", "test_optuna_compat.py",
                  "test_transfer.py", "test_sweep_scheduling.py", "test_notebook.py", "test_slurm.py",
                  "test_sharded_checkpoints.py", "test_cli.py", "test_troubleshoot.py", "test_training.py"]
