@@ -4,8 +4,10 @@ option's keys and ``params=`` the model's trainable parameters (or fine-tuning's
 ``fused`` is runlab's key, not always the class's: where the fused update fits (``fused_update_fits``)
 the class gets ``fused=True``, torch's implementation that updates all parameters in one kernel
 instead of a loop of small ops per parameter: the same update up to rounding, about 3x faster for
-Adam(W) on a small model on the CPU here. Elsewhere (``optimizer._target_=torch.optim.RMSprop``,
-fsdp's sharded parameters, ...) the optimizer is built as without it."""
+Adam(W) on a small model on the CPU here, and over fsdp's sharded parameters 0.48 ms an AdamW step
+against 0.97 with foreach and 3.1 with torch's default loop on the CPU (8 layers of 256x256, 2 gloo
+processes). Elsewhere (``optimizer._target_=torch.optim.RMSprop``, SGD over fsdp's sharded parameters,
+...) the optimizer is built as without it."""
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional
@@ -41,15 +43,23 @@ def build_optimizer(cfg: DictConfig, model: nn.Module,
 def fused_update_fits(option: Dict[str, Any], params: List[Any], model: nn.Module) -> bool:
     """Whether torch's fused update can take this optimizer: its class has one (a ``fused`` argument),
     none of the options torch refuses beside it is set, and it can update these parameters."""
-    if "fused" not in (accepted_keys(get_object(option["_target_"])) or ()):
+    optimizer_class = get_object(option["_target_"])
+    if "fused" not in (accepted_keys(optimizer_class) or ()):
         return False
     if option.get("foreach") or option.get("differentiable"):
         return False
     tensors = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
-    # Plain floating-point tensors: torch shards the fused update of Adam and AdamW only (not SGD's) over
-    # fsdp's DTensors, and it has no sparse gradients (nn.Embedding(sparse=True)).
-    plain = all(type(p) is nn.Parameter and p.is_floating_point() for p in tensors)
-    return plain and not any(getattr(module, "sparse", False) is True for module in model.modules())
+    # Floating-point tensors, plain or fsdp's DTensors where torch shards the class's fused update: Adam's
+    # and AdamW's, not SGD's or Adagrad's. It has no sparse gradients (nn.Embedding(sparse=True)).
+    sharded_fits = issubclass(optimizer_class, torch.optim.Adam)
+    updatable = all(p.is_floating_point() and (type(p) is nn.Parameter or sharded_fits and is_dtensor(p)) for p in tensors)
+    return updatable and not any(getattr(module, "sparse", False) is True for module in model.modules())
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor  # only for a parameter that is not plain: fsdp's
+
+    return isinstance(tensor, DTensor)
 
 
 def with_this_update(state: Dict[str, Any], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:

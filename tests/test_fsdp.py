@@ -27,6 +27,7 @@ from conftest import REPO, SHRINK, read_metrics
 from framework import parallel
 from framework.entry import resolved_run_config, run
 from framework.errors import ConfigError, ResourceError
+from framework.optimizer import fused_update_fits
 from framework.parallel import Compile, plain_named_parameters
 from framework.parallel.fsdp import ShardedEnvironment, compiled_blocks, shard_blocks
 from framework.private_apis import compiled_original
@@ -80,6 +81,28 @@ def test_what_fsdp_cannot_do_is_refused_before_any_process_starts(train, overrid
         train(*FSDP, *overrides)
 
 
+def test_over_sharded_parameters_adam_and_adamw_get_the_fused_update_and_sgd_torchs_loop():
+    """torch shards Adam's and AdamW's fused update over DTensors, not SGD's: optimizer.fused gives it
+    where it runs (the equality with one device below trains with it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1,)))
+        params = list(model.parameters())
+        assert fused_update_fits({"_target_": "torch.optim.AdamW"}, params, model)
+        assert fused_update_fits({"_target_": "torch.optim.Adam"}, params, model)
+        assert not fused_update_fits({"_target_": "torch.optim.SGD"}, params, model)
+        model(torch.ones(1, 2)).sum().backward()
+        torch.optim.AdamW(params, fused=True).step()
+        with pytest.raises(NotImplementedError, match="_fused_sgd_.default does not have a sharding strategy"):
+            torch.optim.SGD(params, lr=0.1, fused=True).step()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_training_step_out_of_memory_ends_the_run_without_a_collective():
     """A process that ran out cannot meet the others (they wait inside FSDP's collectives); a healthy one asks
     nobody (no process group here: a collective would fail)."""
@@ -96,6 +119,8 @@ def test_fsdp_equals_one_device_moves_its_checkpoints_both_ways_and_holds_half_t
     assert_same_training(run_dir, reference, tolerance=1e-5)
     assert metrics == read_metrics(run_dir)
     assert "parallel=fsdp: starting 2 processes" in (run_dir / "train.log").read_text()
+    for trained in (run_dir, reference):  # both with AdamW's fused update (optimizer.fused, the default)
+        assert torch.load(trained / "checkpoints/last.pt", weights_only=False)["optimizer"]["param_groups"][0]["fused"]
     # A third epoch: from the fsdp checkpoint under none, and from the none checkpoint under fsdp
     # (without accumulation), each equal to none continuing its own.
     third = [*SHRINK, *CLIPPED, "trainer.max_epochs=3", f"paths.output_dir={tmp_path}"]

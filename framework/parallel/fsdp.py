@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from framework.checkpoint import (REST, by_index, by_name, clear, is_sharded, no_space_left, publish_sharded,
                                   save_checkpoint, split_tensors, unpublished)
 from framework.errors import CheckpointError, ConfigError, ResourceError, disk_full
+from framework.optimizer import with_this_update
 from framework.parallel import Compile, Task, compiled, plain_named_parameters, unwrap
 from framework.parallel.distributed import DDP, DistributedEnvironment
 from framework.shards import read_sharded
@@ -111,10 +112,11 @@ class ShardedEnvironment(DistributedEnvironment):
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
         if all(isinstance(name, str) for group in state["param_groups"] for name in group["params"]):
-            set_optimizer_state_dict(unwrap(model), optimizer, state, options=SHARDED)  # by name: read by read_checkpoint
+            # by name: read by read_checkpoint
+            set_optimizer_state_dict(unwrap(model), optimizer, with_this_update(state, optimizer), options=SHARDED)
             return
         names = parameter_names(unwrap(model), optimizer)
-        set_optimizer_state_dict(unwrap(model), optimizer, by_name(state, names), options=FULL)
+        set_optimizer_state_dict(unwrap(model), optimizer, with_this_update(by_name(state, names), optimizer), options=FULL)
 
     def shard_writer(self) -> Optional[Callable[[Dict[str, Any], Path], None]]:
         return self.save_shards if self.sharded_checkpoints else None
