@@ -6,7 +6,7 @@
 # Rows: the default run on cuda; trainer.precision=bf16 and fp16; trainer.compile=true;
 # parallel=fsdp with one process; a real CUDA out-of-memory error that the back-off recovers
 # from (an MLP whose first batch is sized from the GPU's memory to exceed it); a checkpoint of the
-# unfused optimizer resumed by the fused one; task=doctor with
+# unfused optimizer resumed by the fused one, on one device and under fsdp; task=doctor with
 # GPUtil's readings; benchmarks/step_overhead.py on the GPU. Each row runs as a user types it,
 # with a time limit of its own inside the 8 minutes; a row that fails says so in the table and
 # the others still run. Its runs and logs stay in the folder the last line names. Exit status:
@@ -113,6 +113,11 @@ row oom 150 "$PYTHON" run.py "${QUIET[@]}" data=synthetic data.num_samples="$OOM
 row resume_fused 120 bash -c "$(printf '%q ' "$PYTHON" run.py "${QUIET[@]}" trainer.max_epochs=1 optimizer.fused=false \
     hydra.run.dir="$OUT/unfused") && $(printf '%q ' "$PYTHON" run.py "${QUIET[@]}" trainer.max_epochs=2 \
     resume="$OUT/unfused/checkpoints/last.pt" hydra.run.dir="$OUT/resume_fused")"
+# The same under parallel=fsdp, whose AdamW is fused over its sharded parameters.
+if [[ -f conf/parallel/fsdp.yaml ]]; then
+    row resume_fused_fsdp 120 "$PYTHON" run.py "${QUIET[@]}" trainer.max_epochs=2 parallel=fsdp parallel.world_size=1 \
+        resume="$OUT/unfused/checkpoints/last.pt" hydra.run.dir="$OUT/resume_fused_fsdp"
+fi
 row doctor 90 "$PYTHON" run.py task=doctor device=cuda hydra.run.dir="$OUT/doctor"
 row step_overhead 150 "$PYTHON" benchmarks/step_overhead.py --device cuda --epochs 30 --rounds 3
 
