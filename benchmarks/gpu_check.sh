@@ -115,7 +115,7 @@ row resume_fused 120 bash -c "$(printf '%q ' "$PYTHON" run.py "${QUIET[@]}" trai
     resume="$OUT/unfused/checkpoints/last.pt" hydra.run.dir="$OUT/resume_fused")"
 # The same under parallel=fsdp, whose AdamW is fused over its sharded parameters.
 if [[ -f conf/parallel/fsdp.yaml ]]; then
-    row resume_fused_fsdp 120 "$PYTHON" run.py "${QUIET[@]}" trainer.max_epochs=2 parallel=fsdp parallel.world_size=1 \
+    row resume_fused_fsdp 60 "$PYTHON" run.py "${QUIET[@]}" trainer.max_epochs=2 parallel=fsdp parallel.world_size=1 \
         resume="$OUT/unfused/checkpoints/last.pt" hydra.run.dir="$OUT/resume_fused_fsdp"
 fi
 row doctor 90 "$PYTHON" run.py task=doctor device=cuda hydra.run.dir="$OUT/doctor"

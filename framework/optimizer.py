@@ -51,12 +51,14 @@ def fused_update_fits(option: Dict[str, Any], params: List[Any], model: nn.Modul
     tensors = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
     # Floating-point tensors, plain or fsdp's DTensors where torch shards the class's fused update: Adam's
     # and AdamW's, not SGD's or Adagrad's. It has no sparse gradients (nn.Embedding(sparse=True)).
-    sharded_fits = issubclass(optimizer_class, torch.optim.Adam)
+    sharded_fits = isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Adam)
     updatable = all(p.is_floating_point() and (type(p) is nn.Parameter or sharded_fits and is_dtensor(p)) for p in tensors)
     return updatable and not any(getattr(module, "sparse", False) is True for module in model.modules())
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
     from torch.distributed.tensor import DTensor  # only for a parameter that is not plain: fsdp's
 
     return isinstance(tensor, DTensor)
@@ -68,7 +70,8 @@ def with_this_update(state: Dict[str, Any], optimizer: torch.optim.Optimizer) ->
     of the unfused update resumed by the fused one on a GPU would step with its counts on the CPU."""
     groups = [{**saved, **({"fused": group["fused"]} if "fused" in group else {})}
               for saved, group in zip(state["param_groups"], optimizer.param_groups)]
-    return {**state, "param_groups": groups}
+    # Saved groups beyond this optimizer's are kept, so that torch's own check of their number refuses them.
+    return {**state, "param_groups": groups + state["param_groups"][len(groups):]}
 
 
 def configured_groups(optimizer: torch.optim.Optimizer) -> List[Dict[str, Any]]:

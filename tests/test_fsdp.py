@@ -96,9 +96,20 @@ def test_over_sharded_parameters_adam_and_adamw_get_the_fused_update_and_sgd_tor
         assert fused_update_fits({"_target_": "torch.optim.Adam"}, params, model)
         assert not fused_update_fits({"_target_": "torch.optim.SGD"}, params, model)
         model(torch.ones(1, 2)).sum().backward()
-        torch.optim.AdamW(params, fused=True).step()
         with pytest.raises(NotImplementedError, match="_fused_sgd_.default does not have a sharding strategy"):
             torch.optim.SGD(params, lr=0.1, fused=True).step()
+        # An unfused update's checkpoint is loaded as the fused one needs it (test_training.py's case, under fsdp):
+        # a float64 step count stands for one on another device, which torch moves only where the group says fused.
+        env, unfused = ShardedEnvironment(device=torch.device("cpu")), torch.optim.AdamW(params, fused=False)
+        unfused.step()
+        state = env.optimizer_state(model, unfused)
+        for saved in state["state"].values():
+            saved["step"] = saved["step"].double()
+        unfused.zero_grad(set_to_none=True)  # as at a resume, before any step: torch builds the state to load into
+        fused = torch.optim.AdamW(params, fused=True)
+        env.load_optimizer_state(model, fused, state)
+        assert [saved["step"].dtype for saved in fused.state.values()] == [torch.float32, torch.float32]
+        fused.step()
     finally:
         dist.destroy_process_group()
 

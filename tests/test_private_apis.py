@@ -285,6 +285,7 @@ def test_what_interpolation_map_when_read_relies_on_in_hydras_defaults_tree():
 
     assert list(inspect.signature(defaults_list._create_interpolation_map).parameters) == [  # Hydra's (__wrapped__)
         "overrides", "defaults_list", "self_added"]
+    assert inspect.getsource(defaults_list).count("_create_interpolation_map(") == 2  # defined, and called once:
     tree = inspect.getsource(defaults_list._create_defaults_tree_impl)
     assert "known_choices = _create_interpolation_map(overrides, defaults_list, self_added)" in tree
     assert tree.count("known_choices") == 2 and "dd.is_interpolation():\n            dd.resolve_interpolation(known_choices)" in tree

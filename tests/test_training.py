@@ -1,6 +1,7 @@
 import contextlib
 import subprocess
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -197,6 +198,12 @@ def test_what_the_fused_update_cannot_take_gets_torchs_loop():
     assert not fused_update_fits({**adamw, "foreach": True}, list(model.parameters()), model)  # torch refuses both
     sparse = torch.nn.Embedding(4, 2, sparse=True)
     assert not fused_update_fits({"_target_": "torch.optim.SGD"}, list(sparse.parameters()), sparse)
+    # A function that builds the optimizer, not a class: it takes fused, and gets it for plain parameters.
+    assert fused_update_fits({"_target_": "test_training.adamw_of"}, list(model.parameters()), model)
+
+
+def adamw_of(params, lr: float = 1e-3, fused: Optional[bool] = None) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr, fused=fused)
 
 
 def test_an_unfused_updates_state_is_loaded_as_the_fused_update_needs_it():
