@@ -11,9 +11,10 @@ fails a test named after it instead of a run or a sweep. The imports wait for th
 Hydra imports every plugin module on start-up and the trainer imports search/ on every run,
 sweep or not, and Ray alone costs ~0.4 s.
 
-Three live elsewhere: ``hydra._internal``'s ``FileConfigSource``, which runlab's config source
-(hydra_plugins/runlab_config/) extends, its ``ConfigLoaderImpl.load_configuration``, which that
-module's ``compose_once`` wraps, and hydra-ray-launcher's ``_config.RayConf``, the ``ray``
+Four live elsewhere: ``hydra._internal``'s ``FileConfigSource``, which runlab's config source
+(hydra_plugins/runlab_config/) extends, its ``ConfigLoaderImpl.load_configuration`` and
+``defaults_list._create_interpolation_map``, which that module's ``compose_once`` and
+``interpolation_map_when_read`` wrap, and hydra-ray-launcher's ``_config.RayConf``, the ``ray``
 block of runlab's Ray launcher schema (hydra_plugins/runlab_sweeper/config.py). Hydra imports
 those plugins in every Hydra app of the environment, so they must not import ``framework``
 (tests/test_neighbour.py); their pin tests are in tests/test_private_apis.py too.
